@@ -1,0 +1,124 @@
+// attention_forward, attention_backward and attention_support on DLPack tensors.
+//
+// Tensors are positional; every option is keyword-only and has the default of
+// ringflash::AttentionParams. The GIL is released around the compute calls. `stream` is the
+// cudaStream_t as an int (torch: torch.cuda.current_stream().cuda_stream); 0 is the default
+// stream, and CPU calls ignore it.
+#include "ringflash/attention.h"
+
+#include <cstdint>
+#include <tuple>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "bindings.h"
+#include "tensor.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace ringflash::python {
+namespace {
+
+// The keyword options, in one place for the three entry points: the C++ parameters, the same
+// names forwarded to make_params, and nanobind's annotations with their defaults.
+#define RINGFLASH_OPTION_PARAMS                                                                   \
+  std::optional<float> softmax_scale, bool causal, int64_t window_left, int64_t window_right,   \
+      float softcap, const OptionalInput &alibi_slopes, float dropout_p, bool deterministic,      \
+      std::optional<int64_t> q_offset, int64_t k_offset, const OptionalInput &q_seq_offsets,      \
+      const OptionalInput &k_seq_offsets, const OptionalInput &cu_seqlens_q,                      \
+      const OptionalInput &cu_seqlens_k, bool accumulate, int num_threads, uintptr_t stream
+#define RINGFLASH_OPTION_NAMES                                                                    \
+  softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,            \
+      deterministic, q_offset, k_offset, q_seq_offsets, k_seq_offsets, cu_seqlens_q, cu_seqlens_k, \
+      accumulate, num_threads, stream
+#define RINGFLASH_OPTION_ARGS                                                                     \
+  nb::kw_only(), "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,        \
+      "window_right"_a = -1, "softcap"_a = 0.0f, "alibi_slopes"_a = nb::none(),                   \
+      "dropout_p"_a = 0.0f, "deterministic"_a = false, "q_offset"_a = nb::none(),                 \
+      "k_offset"_a = 0, "q_seq_offsets"_a = nb::none(), "k_seq_offsets"_a = nb::none(),           \
+      "cu_seqlens_q"_a = nb::none(), "cu_seqlens_k"_a = nb::none(), "accumulate"_a = false,       \
+      "num_threads"_a = 0, "stream"_a = 0
+
+AttentionParams make_params(const char* op, RINGFLASH_OPTION_PARAMS) {
+  AttentionParams p;
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.softcap = softcap;
+  p.alibi_slopes = to_tensor_view(op, "alibi_slopes", alibi_slopes);
+  p.dropout_p = dropout_p;
+  p.deterministic = deterministic;
+  p.q_offset = q_offset.value_or(AttentionParams::kBottomRight);
+  p.k_offset = k_offset;
+  p.q_seq_offsets = to_tensor_view(op, "q_seq_offsets", q_seq_offsets);
+  p.k_seq_offsets = to_tensor_view(op, "k_seq_offsets", k_seq_offsets);
+  p.cu_seqlens_q = to_tensor_view(op, "cu_seqlens_q", cu_seqlens_q);
+  p.cu_seqlens_k = to_tensor_view(op, "cu_seqlens_k", cu_seqlens_k);
+  p.accumulate = accumulate;
+  p.num_threads = num_threads;
+  p.stream = reinterpret_cast<void*>(stream);
+  return p;
+}
+
+void forward(const InputArray& q, const InputArray& k, const InputArray& v, const OutputArray& out,
+             const OutputArray& lse, RINGFLASH_OPTION_PARAMS) {
+  constexpr const char* op = "attention_forward";
+  attention_forward(to_tensor_view(op, "q", q), to_tensor_view(op, "k", k), to_tensor_view(op, "v", v),
+                    to_tensor_view(op, "out", out), to_tensor_view(op, "lse", lse),
+                    make_params(op, RINGFLASH_OPTION_NAMES));
+}
+
+void backward(const InputArray& q, const InputArray& k, const InputArray& v, const InputArray& out,
+              const InputArray& dout, const InputArray& lse, const OutputArray& dq, const OutputArray& dk,
+              const OutputArray& dv, RINGFLASH_OPTION_PARAMS) {
+  constexpr const char* op = "attention_backward";
+  attention_backward(to_tensor_view(op, "q", q), to_tensor_view(op, "k", k), to_tensor_view(op, "v", v),
+                     to_tensor_view(op, "out", out), to_tensor_view(op, "dout", dout),
+                     to_tensor_view(op, "lse", lse), to_tensor_view(op, "dq", dq), to_tensor_view(op, "dk", dk),
+                     to_tensor_view(op, "dv", dv), make_params(op, RINGFLASH_OPTION_NAMES));
+}
+
+std::tuple<bool, std::string, std::string> support(const InputArray& q, const InputArray& k, const InputArray& v,
+                                                   RINGFLASH_OPTION_PARAMS) {
+  constexpr const char* op = "attention_support";
+  Support s = attention_support(to_tensor_view(op, "q", q), to_tensor_view(op, "k", k),
+                                to_tensor_view(op, "v", v), make_params(op, RINGFLASH_OPTION_NAMES));
+  return {s.supported, s.backend, s.reason};
+}
+
+constexpr const char* kForwardDoc = R"(Attention forward: out = softmax(mask(scale * q k^T)) v, and its log-sum-exp.
+
+Padded batch: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), out like q, lse float32 (B, Hq, Sq).
+Packed batch (cu_seqlens_q and cu_seqlens_k given, int32 (B + 1,) on the host for cpu tensors):
+q (Tq, Hq, D), k and v (Tk, Hkv, D), lse (Hq, Tq). D must be contiguous; Hq a multiple of Hkv.
+`out` and `lse` are written (merged into, with accumulate=True; then out is float32).
+Causal alignment is bottom-right (q_offset=None); q_offset / k_offset, or the per-sequence
+q_seq_offsets / k_seq_offsets (int32 (B,)), give global positions instead. window_left/right:
+-1 is unbounded. softcap 0 is off. alibi_slopes: float32 (Hq,) or (B, Hq). dropout_p > 0 raises
+NotSupported. Errors: InvalidArgument, NotSupported, DeviceError.)";
+
+constexpr const char* kBackwardDoc = R"(Attention backward: dq, dk, dv from q, k, v, out, dout and lse.
+
+`out` and `lse` are the forward's results; dout has out's shape and q's dtype. dq, dk, dv have the
+shapes and dtypes of q, k, v (float32 and added to, with accumulate=True). Options as in
+attention_forward; they must match the forward's.)";
+
+constexpr const char* kSupportDoc = R"(Whether attention_forward/backward can run this case.
+
+Returns (supported, backend, reason): backend is "cpu" or "cuda"; reason is empty when supported and
+otherwise the message the call would raise.)";
+
+}  // namespace
+
+void init_attention(nb::module_& m) {
+  m.def("attention_forward", &forward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, RINGFLASH_OPTION_ARGS,
+        nb::call_guard<nb::gil_scoped_release>(), kForwardDoc);
+  m.def("attention_backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a,
+        "dv"_a, RINGFLASH_OPTION_ARGS, nb::call_guard<nb::gil_scoped_release>(), kBackwardDoc);
+  m.def("attention_support", &support, "q"_a, "k"_a, "v"_a, RINGFLASH_OPTION_ARGS, kSupportDoc);
+}
+
+}  // namespace ringflash::python

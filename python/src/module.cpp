@@ -1,0 +1,9 @@
+// The one nanobind module of ringflash: ringflash._C.
+#include "bindings.h"
+
+NB_MODULE(_C, m) {
+  m.doc() = "ringflash C++ core: exact attention kernels on DLPack tensors (cpu, cuda)";
+  ringflash::python::init_errors(m);
+  ringflash::python::init_attention(m);
+  ringflash::python::init_capabilities(m);
+}
