@@ -1,0 +1,218 @@
+// Times ringflash::attention_forward and attention_backward through the C++ API on the CPU.
+//
+//   attention_bench [--dtypes fp32,bf16,fp16] [--seqlens 1024,4096] [--hdims 64,128] [--causal 0,1]
+//                   [--batch 1] [--heads 8] [--kv-heads 8] [--iters 10] [--warmup 2] [--sets 3]
+//                   [--threads 0]
+//
+// Each case is warmed up, then timed `iters` times, rotating over `sets` preallocated input sets;
+// the table shows medians. FLOPs are counted as FlashAttention counts them: forward 4*B*S^2*H*D,
+// halved when causal; backward 2.5 x forward. The comparison with torch is bench/cpu_bench.py.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ringflash/ringflash.h"
+
+namespace {
+
+using ringflash::DType;
+using ringflash::TensorView;
+
+constexpr double kBackwardFlopsFactor = 2.5;  // backward FLOPs per forward FLOP (FlashAttention)
+
+struct Options {
+  std::vector<std::string> dtypes{"fp32", "bf16"};
+  std::vector<int64_t> seqlens{1024, 4096};
+  std::vector<int64_t> hdims{64, 128};
+  std::vector<int64_t> causal{0, 1};
+  int64_t batch = 1, heads = 8, kv_heads = 0;  // kv_heads 0: same as heads
+  int iters = 10, warmup = 2, sets = 3, threads = 0;
+};
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> parts;
+  std::stringstream in(s);
+  for (std::string part; std::getline(in, part, ',');)
+    if (!part.empty()) parts.push_back(part);
+  return parts;
+}
+
+std::vector<int64_t> split_ints(const std::string& s) {
+  std::vector<int64_t> values;
+  for (const std::string& part : split(s)) values.push_back(std::stoll(part));
+  return values;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") {
+      std::printf(
+          "usage: attention_bench [--dtypes fp32,bf16,fp16] [--seqlens 1024,4096] [--hdims 64,128]\n"
+          "       [--causal 0,1] [--batch 1] [--heads 8] [--kv-heads H] [--iters 10] [--warmup 2]\n"
+          "       [--sets 3] [--threads 0 (every core)]\n");
+      std::exit(0);
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+    const std::string value = argv[++i];
+    if (flag == "--dtypes") o.dtypes = split(value);
+    else if (flag == "--seqlens") o.seqlens = split_ints(value);
+    else if (flag == "--hdims") o.hdims = split_ints(value);
+    else if (flag == "--causal") o.causal = split_ints(value);
+    else if (flag == "--batch") o.batch = std::stoll(value);
+    else if (flag == "--heads") o.heads = std::stoll(value);
+    else if (flag == "--kv-heads") o.kv_heads = std::stoll(value);
+    else if (flag == "--iters") o.iters = std::stoi(value);
+    else if (flag == "--warmup") o.warmup = std::stoi(value);
+    else if (flag == "--sets") o.sets = std::stoi(value);
+    else if (flag == "--threads") o.threads = std::stoi(value);
+    else throw std::invalid_argument("unknown flag " + flag);
+  }
+  if (o.kv_heads == 0) o.kv_heads = o.heads;
+  if (o.iters < 1 || o.warmup < 0 || o.sets < 1) throw std::invalid_argument("need iters >= 1, warmup >= 0, sets >= 1");
+  return o;
+}
+
+DType parse_dtype(const std::string& name) {
+  if (name == "fp32") return DType::kFloat32;
+  if (name == "bf16") return DType::kBFloat16;
+  if (name == "fp16") return DType::kFloat16;
+  throw std::invalid_argument("unknown dtype " + name + " (fp32, bf16, fp16)");
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);  // round to nearest even
+}
+
+// Benchmark data only: values of a standard normal, so no subnormals worth keeping.
+uint16_t to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const int32_t exponent = static_cast<int32_t>((x >> 23) & 0xffu) - 127 + 15;
+  const uint32_t mantissa = x & 0x7fffffu;
+  if (exponent <= 0) return static_cast<uint16_t>(sign);
+  if (exponent >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
+  uint32_t h = sign | (static_cast<uint32_t>(exponent) << 10) | (mantissa >> 13);
+  const uint32_t rest = mantissa & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(h);
+}
+
+// An owning buffer of `shape`, filled with normal random values.
+struct Buffer {
+  std::vector<unsigned char> bytes;
+  TensorView view;
+
+  Buffer(DType dtype, std::initializer_list<int64_t> shape, std::mt19937& rng, bool fill) {
+    int64_t numel = 1;
+    for (int64_t s : shape) numel *= s;
+    bytes.resize(static_cast<size_t>(numel) * ringflash::dtype_size(dtype));
+    view = TensorView(bytes.data(), dtype, ringflash::Device{}, shape);
+    if (!fill) return;
+    std::normal_distribution<float> normal;
+    for (int64_t i = 0; i < numel; ++i) {
+      const float value = normal(rng);
+      if (dtype == DType::kFloat32) reinterpret_cast<float*>(bytes.data())[i] = value;
+      else if (dtype == DType::kBFloat16) reinterpret_cast<uint16_t*>(bytes.data())[i] = to_bf16(value);
+      else reinterpret_cast<uint16_t*>(bytes.data())[i] = to_fp16(value);
+    }
+  }
+};
+
+double median_ms(int warmup, int iters, const std::function<void(int)>& call) {
+  for (int i = 0; i < warmup; ++i) call(i);
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    call(warmup + i);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Times one case and prints its row. Returns false when ringflash reported an error.
+bool run_case(const Options& o, const std::string& dtype_name, int64_t seqlen, int64_t hdim, bool causal) {
+  const DType dtype = parse_dtype(dtype_name);
+  const int64_t b = o.batch, s = seqlen, hq = o.heads, hkv = o.kv_heads, d = hdim;
+  std::mt19937 rng(static_cast<unsigned>(s * 131 + d));
+  struct Set {
+    Buffer q, k, v, dout, out, lse;
+  };
+  std::vector<Set> sets;
+  sets.reserve(static_cast<size_t>(o.sets));
+  for (int i = 0; i < o.sets; ++i)
+    sets.push_back(Set{Buffer(dtype, {b, s, hq, d}, rng, true), Buffer(dtype, {b, s, hkv, d}, rng, true),
+                       Buffer(dtype, {b, s, hkv, d}, rng, true), Buffer(dtype, {b, s, hq, d}, rng, true),
+                       Buffer(dtype, {b, s, hq, d}, rng, false), Buffer(DType::kFloat32, {b, hq, s}, rng, false)});
+  Buffer dq(dtype, {b, s, hq, d}, rng, false), dk(dtype, {b, s, hkv, d}, rng, false),
+      dv(dtype, {b, s, hkv, d}, rng, false);
+
+  ringflash::AttentionParams params;
+  params.causal = causal;
+  params.num_threads = o.threads;
+  const double flops = 4.0 * b * s * s * hq * d * (causal ? 0.5 : 1.0);
+  std::printf("%-5s %5lld %6lld %-6s", dtype_name.c_str(), static_cast<long long>(d), static_cast<long long>(s),
+              causal ? "yes" : "no");
+  std::fflush(stdout);
+  try {
+    const double fwd = median_ms(o.warmup, o.iters, [&](int i) {
+      const Set& x = sets[i % sets.size()];
+      ringflash::attention_forward(x.q.view, x.k.view, x.v.view, x.out.view, x.lse.view, params);
+    });
+    // Every set's out and lse now hold its forward result, which its backward reads.
+    const double bwd = median_ms(o.warmup, o.iters, [&](int i) {
+      const Set& x = sets[i % sets.size()];
+      ringflash::attention_backward(x.q.view, x.k.view, x.v.view, x.out.view, x.dout.view, x.lse.view, dq.view,
+                                    dk.view, dv.view, params);
+    });
+    std::printf(" %10.2f %10.2f %10.1f %10.1f\n", fwd, bwd, flops / fwd / 1e6,
+                kBackwardFlopsFactor * flops / bwd / 1e6);
+    return true;
+  } catch (const ringflash::Error& e) {
+    std::printf("  error: %s\n", e.what());
+    return false;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention_bench: %s (--help for usage)\n", e.what());
+    return 2;
+  }
+  std::printf("%s", ringflash::build_info().c_str());
+  std::printf("batch %lld, heads %lld, kv heads %lld, iters %d, warmup %d, input sets %d, threads %d (0: every core)\n\n",
+              static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
+              o.iters, o.warmup, o.sets, o.threads);
+  std::printf("%-5s %5s %6s %-6s %10s %10s %10s %10s\n", "dtype", "D", "S", "causal", "fwd ms", "bwd ms",
+              "fwd GF/s", "bwd GF/s");
+  bool ok = true;
+  try {
+    for (const std::string& dtype : o.dtypes)
+      for (int64_t d : o.hdims)
+        for (int64_t s : o.seqlens)
+          for (int64_t causal : o.causal) ok = run_case(o, dtype, s, d, causal != 0) && ok;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attention_bench: %s\n", e.what());
+    return 2;
+  }
+  return ok ? 0 : 1;
+}
