@@ -1,0 +1,174 @@
+"""ringflash's torch custom ops, with fake implementations and autograd.
+
+``torch.ops.ringflash.attention_forward`` and ``torch.ops.ringflash.attention_backward`` call the C++
+kernels through ``ringflash._C``. They allocate their outputs, so they mutate nothing, and they take
+every option as a plain int, float, bool or optional tensor, so that ``torch.compile(fullgraph=True)``
+traces them. Layouts (flash-attn's):
+
+* padded batch: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); out like q, lse float32 (B, Hq, Sq).
+* packed batch (``cu_seqlens_q`` and ``cu_seqlens_k`` given, int32 (B + 1,)): q (Tq, Hq, D),
+  k and v (Tk, Hkv, D); out like q, lse float32 (Hq, Tq).
+
+Gradients flow to q, k and v; ``alibi_slopes`` and ``cu_seqlens`` get none, and the lse output is
+not differentiable (as in flash-attn). All checking is the C++ library's, except what it cannot see:
+the fake implementations check ranks and devices so that tracing fails early with the same error
+types.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = ["attention_forward", "attention_backward"]
+
+
+def _stream(t: Tensor) -> int:
+    """The cudaStream_t to run on, as an int: torch's current stream for CUDA tensors, else 0."""
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _lse_shape(q: Tensor, packed: bool) -> Tuple[int, ...]:
+    """(B, Hq, Sq), or (Hq, Tq) for a packed batch. A q of the wrong rank gets an empty lse; the
+    library then reports q's rank, which it checks first."""
+    if packed:
+        return (q.shape[1], q.shape[0]) if q.dim() == 3 else (0,)
+    return (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
+
+
+def _check_traced(op: str, tensors: Sequence[Tuple[str, Optional[Tensor]]], packed: bool) -> None:
+    """The checks the library would make but cannot while tracing (fake or meta tensors): q's rank,
+    and that every tensor is on q's device."""
+    q = tensors[0][1]
+    rank = 3 if packed else 4
+    if q.dim() != rank:
+        layout = "(T, H, D) (packed batch: cu_seqlens given)" if packed else "(B, S, H, D)"
+        raise _C.InvalidArgument(f"[{op}] q must have shape {layout}, got {tuple(q.shape)}")
+    for name, t in tensors[1:]:
+        if t is not None and t.device != q.device:
+            raise _C.InvalidArgument(f"[{op}] {name} must be on {q.device} like q, got {t.device}")
+
+
+def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
+    # DLPack refuses tensors that require grad; the kernels never need the graph.
+    return None if t is None else t.detach()
+
+
+@torch.library.custom_op("ringflash::attention_forward", mutates_args=())
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor]:
+    """Returns (out, lse). See the module docstring for layouts."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        # Tokens past cu_seqlens[-1] belong to no sequence; they read as 0 and -inf, not garbage.
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full(_lse_shape(q, packed), float("-inf"), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    _C.attention_forward(
+        _detach(q), _detach(k), _detach(v), out, lse,
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=_detach(alibi_slopes),
+        dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, stream=_stream(q),
+    )  # fmt: skip
+    return out, lse
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal,
+                            window_left, window_right, softcap, dropout_p, deterministic):
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check_traced("attention_forward", [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)], packed)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.custom_op("ringflash::attention_backward", mutates_args=())
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Returns (dq, dk, dv) for the forward with the same options, given its out and lse."""
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    alloc = torch.zeros if packed else torch.empty  # packed: tokens in no sequence get 0
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    _C.attention_backward(
+        _detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv,
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=_detach(alibi_slopes),
+        dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, stream=_stream(q),
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
+                             causal, window_left, window_right, softcap, dropout_p, deterministic):
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check_traced("attention_backward", [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout),
+                                         ("lse", lse), ("alibi_slopes", alibi_slopes)], packed)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return dq, dk, dv
+
+
+_NUM_FORWARD_OPTIONS = 10  # the inputs of attention_forward after q, k, v
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    if dout.stride(-1) != 1:
+        # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
+        dout = dout.contiguous()
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                                    *ctx.options)
+    return (dq, dk, dv) + (None,) * _NUM_FORWARD_OPTIONS
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
