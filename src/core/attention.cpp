@@ -159,6 +159,8 @@ class Validator {
     args_.batch = packed ? 0 : q_.size(0);
     args_.seqlen_q = packed ? 0 : q_.size(1);
     args_.seqlen_k = packed ? 0 : k_.size(1);
+    args_.rows_q = q_.size(packed ? 0 : 1);
+    args_.rows_k = k_.size(packed ? 0 : 1);
   }
 
   // A host int32 vector argument, checked for dtype, rank, length and device.

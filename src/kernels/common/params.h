@@ -20,6 +20,8 @@ struct AttentionArgs {
   int64_t batch = 0;        // number of sequences
   int64_t seqlen_q = 0;     // padded: every sequence's length; packed: the longest
   int64_t seqlen_k = 0;
+  int64_t rows_q = 0;       // rows of the q tensor per sequence slot: padded S, packed T
+  int64_t rows_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;

@@ -1,0 +1,90 @@
+// Small fp32 matrix products for the attention tiles, register-blocked for the vector ISA.
+//
+// Every product in the kernels has one of its operands as a packed panel of rows (B below) and
+// the other read element by element with arbitrary strides (A), which lets one routine serve
+// S^T = K Q^T, O += P V, dV += P^T dO, dK += dS^T Q and dQ += dS K without any transposes.
+#pragma once
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace ringflash::cpu {
+
+// Register tile: kMR rows of C by kNV vectors. With 32 vector registers, 6 x 4 accumulators +
+// 4 B vectors + 1 broadcast fit, and the 6 row pointers of A fit in the general registers
+// (12 x 2 would spill them); 16-register ISAs take 4 x 2.
+inline constexpr int kMR = kVecRegisters >= 32 ? 6 : 4;
+inline constexpr int kNV = kVecRegisters >= 32 ? 4 : 2;
+inline constexpr int kNR = kNV * kVecWidth;
+
+struct GemmOperands {
+  const float* a;  // A(m, k) = a[m * a_rs + k * a_cs]
+  int64_t a_rs, a_cs;
+  const float* b;  // B(k, n) = b[k * ldb + n], n contiguous
+  int64_t ldb;
+  float* c;        // C(m, n) = c[m * ldc + n]
+  int64_t ldc;
+};
+
+template <int MR, int NV, bool kAccumulate>
+inline void gemm_micro(int64_t K, const float* a, int64_t a_rs, int64_t a_cs, const float* b, int64_t ldb,
+                       float* c, int64_t ldc) {
+  Vec acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[m][v] = kAccumulate ? load(c + m * ldc + v * kVecWidth) : Vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    Vec bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) bv[v] = load(b + k * ldb + v * kVecWidth);
+    const float* ak = a + k * a_cs;
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const Vec am = splat(ak[m * a_rs]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m][v] += am * bv[v];
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store(c + m * ldc + v * kVecWidth, acc[m][v]);
+}
+
+// Rows [0, rows) of a column strip of NV vectors, rows < kMR handled by a smaller tile.
+template <int NV, bool kAccumulate, int MR = kMR - 1>
+inline void gemm_rows_tail(int64_t rows, int64_t K, const GemmOperands& o, int64_t m0, int64_t n0) {
+  if constexpr (MR > 0) {
+    if (rows == MR)
+      return gemm_micro<MR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
+                                             o.c + m0 * o.ldc + n0, o.ldc);
+    gemm_rows_tail<NV, kAccumulate, MR - 1>(rows, K, o, m0, n0);
+  }
+}
+
+template <int NV, bool kAccumulate>
+inline void gemm_strip(int64_t M, int64_t K, const GemmOperands& o, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kMR <= M; m0 += kMR)
+    gemm_micro<kMR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
+                                     o.c + m0 * o.ldc + n0, o.ldc);
+  if (m0 < M) gemm_rows_tail<NV, kAccumulate>(M - m0, K, o, m0, n0);
+}
+
+// C (M x N) = A (M x K) B (K x N), or C += A B when kAccumulate. N must be a multiple of
+// kVecWidth (callers pad their panels with zeros). K may be 0.
+template <bool kAccumulate>
+inline void gemm(int64_t M, int64_t N, int64_t K, const GemmOperands& o) {
+  int64_t n0 = 0;
+  for (; n0 + kNR <= N; n0 += kNR) gemm_strip<kNV, kAccumulate>(M, K, o, n0);
+  switch ((N - n0) / kVecWidth) {
+    case 3: return gemm_strip<3, kAccumulate>(M, K, o, n0);
+    case 2: return gemm_strip<2, kAccumulate>(M, K, o, n0);
+    case 1: return gemm_strip<1, kAccumulate>(M, K, o, n0);
+    default: return;
+  }
+}
+
+}  // namespace ringflash::cpu

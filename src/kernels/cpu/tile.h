@@ -1,0 +1,165 @@
+// Pieces shared by the CPU forward and backward kernels: sequence geometry, operand access,
+// packing, and the score transform (scale, softcap, ALiBi, mask) on a tile of scores.
+//
+// Score tiles are stored transposed, S^T (keys x queries) with kBlockM query columns, so every
+// softmax statistic is per column and vectorises across queries with no horizontal reductions.
+// Scores are kept in log2 units (multiplied by log2(e)) so the kernels call exp2.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../common/mask.h"
+#include "../common/params.h"
+#include "gemm.h"
+#include "vec.h"
+
+namespace ringflash::cpu {
+
+using core::AttentionArgs;
+
+// Queries per tile: one register tile of columns, so S^T = K Q^T is a single column strip.
+inline constexpr int64_t kBlockM = kNR;
+inline constexpr int64_t kColumnVecs = kBlockM / kVecWidth;
+static_assert(kBlockM % kVecWidth == 0, "query tile must be whole vectors");
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Where sequence b lives and which global positions it covers.
+struct Sequence {
+  int64_t len_q = 0, len_k = 0;
+  int64_t row_q = 0, row_k = 0;  // first row in the tensor (packed batches), else 0
+  int64_t pos_q = 0, pos_k = 0;  // global position of row 0
+};
+
+inline Sequence sequence(const AttentionArgs& a, int64_t b) {
+  Sequence s;
+  if (a.cu_seqlens_q) {
+    s.row_q = a.cu_seqlens_q[b];
+    s.row_k = a.cu_seqlens_k[b];
+    s.len_q = a.cu_seqlens_q[b + 1] - s.row_q;
+    s.len_k = a.cu_seqlens_k[b + 1] - s.row_k;
+  } else {
+    s.len_q = a.seqlen_q;
+    s.len_k = a.seqlen_k;
+  }
+  s.pos_k = a.k_seq_offsets ? a.k_seq_offsets[b] : a.k_offset;
+  if (a.q_seq_offsets)
+    s.pos_q = a.q_seq_offsets[b];
+  else if (a.q_bottom_right)
+    s.pos_q = s.pos_k + s.len_k - s.len_q;
+  else
+    s.pos_q = a.q_offset;
+  return s;
+}
+
+// Element (b, row, h, 0) of an operand; `row` counts from the start of the packed tensor.
+template <typename T>
+inline T* row_ptr(const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h) {
+  return static_cast<T*>(o.data) + b * o.batch_stride + row * o.row_stride + h * o.head_stride;
+}
+
+inline float* lse_ptr(const AttentionArgs& a, int64_t b, int64_t row, int64_t h) {
+  return a.lse + b * a.lse_batch_stride + h * a.lse_head_stride + row;
+}
+
+inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_left, a.window_right}; }
+
+// A block of rows of q / k / v / dout as fp32: either the tensor itself (fp32 input and a
+// head_dim that is whole vectors) or a converted copy, zero-padded to `ld` columns.
+struct RowBlock {
+  const float* data;
+  int64_t ld;
+};
+
+template <typename T>
+inline RowBlock rows_fp32(const AttentionArgs::Operand& o, int64_t b, int64_t row0, int64_t h, int64_t rows,
+                          int64_t head_dim, int64_t padded_dim, float* scratch) {
+  const T* src = row_ptr<const T>(o, b, row0, h);
+  if constexpr (std::is_same_v<T, float>) {
+    if (padded_dim == head_dim) return {src, o.row_stride};
+  }
+  for (int64_t r = 0; r < rows; ++r) convert_row(src + r * o.row_stride, head_dim, padded_dim, scratch + r * padded_dim);
+  return {scratch, padded_dim};
+}
+
+// dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero.
+template <typename T>
+inline void pack_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t head_dim, float scale,
+                            float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * row_stride;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kBlockM + r] = to_float(s[d]) * scale;
+  }
+  for (int64_t d = 0; d < head_dim; ++d)
+    for (int64_t r = rows; r < kBlockM; ++r) dst[d * kBlockM + r] = 0.0f;
+}
+
+// What turns q.k into a log2-unit score. Q is packed pre-multiplied by `q_scale`, so the tile
+// holds x = q_scale * q.k and the score is
+//   s2 = x                                  (no softcap; q_scale = scale * log2e)
+//   s2 = cap_log2e * tanh(x)                (softcap; q_scale = scale / softcap)
+// minus alibi_log2e * |pq - pk|, with masked entries -inf.
+struct ScoreTransform {
+  float q_scale;
+  float cap_log2e;
+  bool softcap;
+  core::Mask mask;
+
+  static ScoreTransform make(const AttentionArgs& a) {
+    ScoreTransform t;
+    t.softcap = a.softcap > 0.0f;
+    t.q_scale = t.softcap ? a.scale / a.softcap : a.scale * kLog2e;
+    t.cap_log2e = a.softcap * kLog2e;
+    t.mask = mask_of(a);
+    return t;
+  }
+};
+
+// Transforms tile rows [0, rows) of S^T in place: row r holds key position pk0 + r, column c
+// query position pq0 + c. With `tanh_out`, also stores 1 - tanh^2 (the softcap derivative).
+// Returns nothing; masking is applied only when `partial`.
+inline void transform_scores(const ScoreTransform& t, float alibi_log2e, bool partial, int64_t pq0, int64_t pk0,
+                             int64_t rows, float* st, float* tanh_grad) {
+  const bool alibi = alibi_log2e != 0.0f;
+  if (!t.softcap && !alibi && !partial) return;
+  // Relative offsets d = pk - pq fit easily in fp32 (|d| < 2^24) within a tile; the window
+  // bounds are clamped to a range that keeps the comparison exact.
+  constexpr float kBig = 1 << 24;
+  const float lo = t.mask.left >= static_cast<int64_t>(kBig) ? -kBig : -static_cast<float>(t.mask.left);
+  const float hi = t.mask.right >= static_cast<int64_t>(kBig) ? kBig : static_cast<float>(t.mask.right);
+  Vec lane;
+  for (int i = 0; i < kVecWidth; ++i) lane[i] = static_cast<float>(i);
+  const float d0 = static_cast<float>(pk0 - pq0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = st + r * kBlockM;
+    for (int64_t c = 0; c < kColumnVecs; ++c) {
+      Vec x = load(row + c * kVecWidth);
+      if (t.softcap) {
+        const Vec th = tanh(x);
+        if (tanh_grad) store(tanh_grad + r * kBlockM + c * kVecWidth, 1.0f - th * th);
+        x = th * t.cap_log2e;
+      }
+      if (alibi || partial) {
+        const Vec d = (d0 + static_cast<float>(r - c * kVecWidth)) - lane;  // pk - pq
+        if (alibi) x -= alibi_log2e * (d < 0.0f ? -d : d);
+        if (partial) x = (d >= lo && d <= hi) ? x : splat(-kInf);
+      }
+      store(row + c * kVecWidth, x);
+    }
+  }
+}
+
+// Per-worker scratch, reused across items.
+struct Scratch {
+  std::vector<float> data;
+  float* take(size_t n, size_t& used) {
+    float* p = data.data() + used;
+    used += round_up(static_cast<int64_t>(n), kVecWidth);
+    return p;
+  }
+};
+
+}  // namespace ringflash::cpu
