@@ -79,7 +79,7 @@ build: setup-system
 	cmake --build $(BUILD_DIR)
 
 demo: setup build
-	$(PYTHON) examples/python/check_reference.py
+	$(PYTHON) bench/reference_check.py
 	$(PYTHON) bench/cpu_bench.py $(BENCH_ARGS)
 
 test: test-cpp test-python
