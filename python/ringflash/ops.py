@@ -165,7 +165,8 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     if dout.stride(-1) != 1:
         # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
-        dout = dout.contiguous()
+        # (contiguous() would keep the strides of an empty tensor.)
+        dout = dout.clone(memory_format=torch.contiguous_format)
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                                     *ctx.options)
     return (dq, dk, dv) + (None,) * _NUM_FORWARD_OPTIONS
