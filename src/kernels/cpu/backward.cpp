@@ -28,16 +28,91 @@ struct WorkItem {
 };
 
 struct BackwardScratch {
-  std::vector<float> k, v;               // K and V tile rows, fp32, padded
-  std::vector<float> qt, dot;            // Q^T (scaled) and dO^T, head_dim x kBlockM
-  std::vector<float> q, dout;            // Q and dO rows, kBlockM x padded
-  std::vector<float> st, dpt, tanh_grad; // P^T, dP^T / dS^T, softcap derivative: kBlockN x kBlockM
-  std::vector<float> dk, dv;             // kBlockN x padded accumulators
-  std::vector<float> delta, lse2;        // per query of the tile
-  BackwardScratch(int64_t head_dim, int64_t padded)
-      : k(kBlockN * padded), v(kBlockN * padded), qt(head_dim * kBlockM), dot(head_dim * kBlockM),
-        q(kBlockM * padded), dout(kBlockM * padded), st(kBlockN * kBlockM), dpt(kBlockN * kBlockM),
-        tanh_grad(kBlockN * kBlockM), dk(kBlockN * padded), dv(kBlockN * padded), delta(kBlockM), lse2(kBlockM) {}
+  std::vector<float> st, dpt, tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
+  std::vector<float> dk, dv;              // kBlockN x padded accumulators
+  explicit BackwardScratch(int64_t padded)
+      : st(kBlockN * kBlockM), dpt(kBlockN * kBlockM), tanh_grad(kBlockN * kBlockM), dk(kBlockN * padded),
+        dv(kBlockN * padded) {}
+};
+
+// Every query tile of every head, packed once per call in the forms the tile products read:
+// Q^T (scaled) and dO^T as head_dim x kBlockM, Q and dO rows as kBlockM x padded, delta = rowsum(dO * O)
+// and lse in log2 units. Rows past a sequence's end are zero, with lse +inf so that their P is 0.
+struct QueryTile {
+  const float *qt, *q, *dot, *dout, *delta, *lse2;
+};
+
+class QueryTiles {
+ public:
+  template <typename T>
+  void pack(const AttentionArgs& a, float q_scale, int64_t padded) {
+    d_ = a.head_dim;
+    padded_ = padded;
+    first_tile_.assign(static_cast<size_t>(a.batch + 1), 0);
+    for (int64_t b = 0; b < a.batch; ++b)
+      first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_q + kBlockM - 1) / kBlockM;
+    tiles_ = first_tile_[a.batch];
+    const int64_t n = a.heads_q * tiles_;
+    qt_.resize(static_cast<size_t>(n * d_ * kBlockM));
+    dot_.resize(qt_.size());
+    q_.resize(static_cast<size_t>(n * kBlockM * padded));
+    dout_.resize(q_.size());
+    delta_.resize(static_cast<size_t>(n * kBlockM));
+    lse2_.resize(delta_.size());
+    core::parallel_for(a.batch * a.heads_q, a.num_threads, [&](int64_t i, int) {
+      const int64_t b = i / a.heads_q, h = i % a.heads_q;
+      const Sequence s = sequence(a, b);
+      for (int64_t t = 0; t * kBlockM < s.len_q; ++t) pack_tile<T>(a, b, h, s, t, q_scale);
+    });
+  }
+
+  QueryTile tile(int64_t b, int64_t h, int64_t t) const {
+    const int64_t g = h * tiles_ + first_tile_[b] + t;
+    return {qt_.data() + g * d_ * kBlockM, q_.data() + g * kBlockM * padded_, dot_.data() + g * d_ * kBlockM,
+            dout_.data() + g * kBlockM * padded_, delta_.data() + g * kBlockM, lse2_.data() + g * kBlockM};
+  }
+
+ private:
+  template <typename T>
+  void pack_tile(const AttentionArgs& a, int64_t b, int64_t h, const Sequence& s, int64_t t, float q_scale) {
+    const int64_t g = h * tiles_ + first_tile_[b] + t;
+    const int64_t row0 = s.row_q + t * kBlockM, rows = std::min(kBlockM, s.len_q - t * kBlockM);
+    const T* q = row_ptr<const T>(a.q, b, row0, h);
+    const T* dout = row_ptr<const T>(a.dout, b, row0, h);
+    pack_transposed(q, a.q.row_stride, rows, d_, q_scale, qt_.data() + g * d_ * kBlockM);
+    pack_transposed(dout, a.dout.row_stride, rows, d_, 1.0f, dot_.data() + g * d_ * kBlockM);
+    float* qr = q_.data() + g * kBlockM * padded_;
+    float* dr = dout_.data() + g * kBlockM * padded_;
+    float* delta = delta_.data() + g * kBlockM;
+    float* lse2 = lse2_.data() + g * kBlockM;
+    for (int64_t r = 0; r < kBlockM; ++r, qr += padded_, dr += padded_) {
+      if (r >= rows) {
+        std::fill(qr, qr + padded_, 0.0f);
+        std::fill(dr, dr + padded_, 0.0f);
+        delta[r] = 0.0f;
+        lse2[r] = kInf;
+        continue;
+      }
+      convert_row(q + r * a.q.row_stride, d_, padded_, qr);
+      convert_row(dout + r * a.dout.row_stride, d_, padded_, dr);
+      float sum = 0.0f;
+      if (a.out_dtype == DType::kFloat32) {
+        const float* o = row_ptr<const float>(a.out, b, row0 + r, h);
+        for (int64_t d = 0; d < d_; ++d) sum += dr[d] * o[d];
+      } else {
+        const T* o = row_ptr<const T>(a.out, b, row0 + r, h);
+        for (int64_t d = 0; d < d_; ++d) sum += dr[d] * to_float(o[d]);
+      }
+      delta[r] = sum;
+      const float lse = *lse_ptr(a, b, row0 + r, h);
+      // A row that saw no key (lse = -inf) has P = 0: exp2(s - inf) = 0.
+      lse2[r] = lse == -kInf ? kInf : lse * kLog2e;
+    }
+  }
+
+  int64_t d_ = 0, padded_ = 0, tiles_ = 0;
+  std::vector<int64_t> first_tile_;
+  std::vector<float> qt_, q_, dot_, dout_, delta_, lse2_;
 };
 
 template <typename T>
@@ -54,9 +129,12 @@ class Backward {
     const int threads = std::max(1, static_cast<int>(std::min<int64_t>(a_.num_threads, std::max<size_t>(items.size(), 1))));
     const int64_t batches = a_.cu_seqlens_q ? 1 : a_.batch;
     dq_acc_.assign(static_cast<size_t>(chunks_ * batches * total_q_ * a_.heads_q * dp_), 0.0f);
+    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, dp_);
+    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, dp_);
+    queries_.pack<T>(a_, t_.q_scale, dp_);
     std::vector<BackwardScratch> scratch;
     scratch.reserve(threads);
-    for (int i = 0; i < threads; ++i) scratch.emplace_back(d_, dp_);
+    for (int i = 0; i < threads; ++i) scratch.emplace_back(dp_);
     core::parallel_for(static_cast<int64_t>(items.size()), threads,
                        [&](int64_t i, int worker) { chunk(items[i], scratch[worker]); });
     write_dq(threads);
@@ -93,7 +171,8 @@ class Backward {
 
   float* dq_acc(int64_t chunk, int64_t b, int64_t row, int64_t h) {
     const int64_t batches = a_.cu_seqlens_q ? 1 : a_.batch;
-    return dq_acc_.data() + (((chunk * batches + (a_.cu_seqlens_q ? 0 : b)) * total_q_ + row) * a_.heads_q + h) * dp_;
+    // (chunk, batch, head, row, padded head_dim): rows of one head are contiguous.
+    return dq_acc_.data() + (((chunk * batches + (a_.cu_seqlens_q ? 0 : b)) * a_.heads_q + h) * total_q_ + row) * dp_;
   }
 
   void chunk(const WorkItem& item, BackwardScratch& w) {
@@ -102,92 +181,66 @@ class Backward {
     for (int64_t j0 = item.k_begin; j0 < item.k_end; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, item.k_end - j0);
       const int64_t pk0 = s.pos_k + j0;
-      const RowBlock kb = rows_fp32<T>(a_.k, b, s.row_k + j0, hk, n, d_, dp_, w.k.data());
-      const RowBlock vb = rows_fp32<T>(a_.v, b, s.row_k + j0, hk, n, d_, dp_, w.v.data());
+      const float* kt = k_.row(slot(a_, b), hk, s.row_k + j0);
+      const float* vt = v_.row(slot(a_, b), hk, s.row_k + j0);
       std::fill(w.dk.begin(), w.dk.end(), 0.0f);
       std::fill(w.dv.begin(), w.dv.end(), 0.0f);
       int64_t first, last;
       t_.mask.query_span(pk0, pk0 + n, s.pos_q, s.pos_q + s.len_q, &first, &last);
-      for (int64_t g = 0; g < group_; ++g) {
-        const int64_t h = hk * group_ + g;
-        const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
-        for (int64_t pq0 = first; pq0 < last; pq0 += kBlockM) {
-          const int64_t rows = std::min(kBlockM, last - pq0);
-          const core::BlockKind kind = t_.mask.classify(pq0, pq0 + rows, pk0, pk0 + n);
-          if (kind == core::BlockKind::kEmpty) continue;
-          tile(b, h, s, pq0 - s.pos_q, rows, pk0, n, kind == core::BlockKind::kPartial, alibi, kb, vb, item.chunk, w);
+      if (first < last) {
+        const int64_t t_first = (first - s.pos_q) / kBlockM, t_last = (last - s.pos_q + kBlockM - 1) / kBlockM;
+        for (int64_t g = 0; g < group_; ++g) {
+          const int64_t h = hk * group_ + g;
+          const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
+          for (int64_t t = t_first; t < t_last; ++t) {
+            const int64_t q0 = t * kBlockM, rows = std::min(kBlockM, s.len_q - q0);
+            const core::BlockKind kind = t_.mask.classify(s.pos_q + q0, s.pos_q + q0 + rows, pk0, pk0 + n);
+            if (kind == core::BlockKind::kEmpty) continue;
+            const Tile tile{queries_.tile(b, h, t), s.pos_q + q0, rows, pk0, n, kind == core::BlockKind::kPartial, alibi};
+            step(tile, kt, vt, dq_acc(item.chunk, b, s.row_q + q0, h), w);
+          }
         }
       }
       write_kv(b, hk, s.row_k + j0, n, w);
     }
   }
 
-  void tile(int64_t b, int64_t h, const Sequence& s, int64_t q0, int64_t rows, int64_t pk0, int64_t n, bool partial,
-            float alibi, const RowBlock& kb, const RowBlock& vb, int64_t chunk, BackwardScratch& w) {
-    const int64_t row0 = s.row_q + q0, pq0 = s.pos_q + q0;
-    pack_queries(b, h, row0, rows, w);
+  struct Tile {
+    QueryTile q;
+    int64_t pq0, rows, pk0, n;
+    bool partial;
+    float alibi;
+  };
 
+  // One (query tile, key tile) pair: recompute P, then dV, dS, dK and this tile's share of dQ.
+  void step(const Tile& t, const float* kt, const float* vt, float* dq, BackwardScratch& w) const {
+    const int64_t n = t.n;
     // P^T = exp2(S^T - lse), S^T = K Q^T
     float* st = w.st.data();
-    gemm<false>(n, kBlockM, d_, {kb.data, kb.ld, 1, w.qt.data(), kBlockM, st, kBlockM});
-    transform_scores(t_, alibi, partial, pq0, pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
+    gemm<false>(n, kBlockM, d_, {kt, dp_, 1, t.q.qt, kBlockM, st, kBlockM});
+    transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
         float* p = st + r * kBlockM + c * kVecWidth;
-        store(p, exp2(load(p) - load(w.lse2.data() + c * kVecWidth)));
+        store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
-
     // dV += P^T dO
-    gemm<true>(n, dp_, rows, {st, kBlockM, 1, w.dout.data(), dp_, w.dv.data(), dp_});
+    gemm<true>(n, dp_, t.rows, {st, kBlockM, 1, t.q.dout, dp_, w.dv.data(), dp_});
     // dP^T = V dO^T
     float* ds = w.dpt.data();
-    gemm<false>(n, kBlockM, d_, {vb.data, vb.ld, 1, w.dot.data(), kBlockM, ds, kBlockM});
+    gemm<false>(n, kBlockM, d_, {vt, dp_, 1, t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
         const int64_t at = r * kBlockM + c * kVecWidth;
-        Vec g = load(st + at) * (load(ds + at) - load(w.delta.data() + c * kVecWidth)) * a_.scale;
+        Vec g = load(st + at) * (load(ds + at) - load(t.q.delta + c * kVecWidth)) * a_.scale;
         if (t_.softcap) g *= load(w.tanh_grad.data() + at);
         store(ds + at, g);
       }
     // dK += dS^T Q
-    gemm<true>(n, dp_, rows, {ds, kBlockM, 1, w.q.data(), dp_, w.dk.data(), dp_});
+    gemm<true>(n, dp_, t.rows, {ds, kBlockM, 1, t.q.q, dp_, w.dk.data(), dp_});
     // dQ += dS K, dS = (dS^T)^T read in place
-    gemm<true>(rows, dp_, n, {ds, 1, kBlockM, kb.data, kb.ld, dq_acc(chunk, b, row0, h), a_.heads_q * dp_});
-  }
-
-  // Q, dO and their transposes for one query tile, with delta = rowsum(dO * O) and lse in log2
-  // units. Rows past `rows` are zero, and their lse is +inf so that their P is exactly 0.
-  void pack_queries(int64_t b, int64_t h, int64_t row0, int64_t rows, BackwardScratch& w) const {
-    const T* q = row_ptr<const T>(a_.q, b, row0, h);
-    const T* dout = row_ptr<const T>(a_.dout, b, row0, h);
-    pack_transposed(q, a_.q.row_stride, rows, d_, t_.q_scale, w.qt.data());
-    pack_transposed(dout, a_.dout.row_stride, rows, d_, 1.0f, w.dot.data());
-    for (int64_t r = 0; r < kBlockM; ++r) {
-      float* qr = w.q.data() + r * dp_;
-      float* dr = w.dout.data() + r * dp_;
-      if (r >= rows) {
-        std::fill(qr, qr + dp_, 0.0f);
-        std::fill(dr, dr + dp_, 0.0f);
-        w.delta[r] = 0.0f;
-        w.lse2[r] = kInf;
-        continue;
-      }
-      convert_row(q + r * a_.q.row_stride, d_, dp_, qr);
-      convert_row(dout + r * a_.dout.row_stride, d_, dp_, dr);
-      float delta = 0.0f;
-      if (a_.out_dtype == DType::kFloat32) {
-        const float* o = row_ptr<const float>(a_.out, b, row0 + r, h);
-        for (int64_t d = 0; d < d_; ++d) delta += dr[d] * o[d];
-      } else {
-        const T* o = row_ptr<const T>(a_.out, b, row0 + r, h);
-        for (int64_t d = 0; d < d_; ++d) delta += dr[d] * to_float(o[d]);
-      }
-      w.delta[r] = delta;
-      const float lse = *lse_ptr(a_, b, row0 + r, h);
-      // A row that saw no key (lse = -inf) has P = 0: exp2(s - inf) = 0.
-      w.lse2[r] = lse == -kInf ? kInf : lse * kLog2e;
-    }
+    gemm<true>(t.rows, dp_, n, {ds, 1, kBlockM, kt, dp_, dq, dp_});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
@@ -245,6 +298,8 @@ class Backward {
   int64_t total_q_ = 0;
   int64_t chunks_ = 1;
   std::vector<float> dq_acc_;
+  HeadMajor k_, v_;
+  QueryTiles queries_;
 };
 
 }  // namespace

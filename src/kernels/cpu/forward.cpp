@@ -22,10 +22,9 @@ struct WorkItem {
 };
 
 struct ForwardScratch {
-  std::vector<float> qt, st, o, k, v, m, l;
+  std::vector<float> qt, st, o, m, l;
   ForwardScratch(int64_t head_dim, int64_t padded_dim)
-      : qt(head_dim * kBlockM), st(kBlockN * kBlockM), o(kBlockM * padded_dim), k(kBlockN * padded_dim),
-        v(kBlockN * padded_dim), m(kBlockM), l(kBlockM) {}
+      : qt(head_dim * kBlockM), st(kBlockN * kBlockM), o(kBlockM * padded_dim), m(kBlockM), l(kBlockM) {}
 };
 
 template <typename T>
@@ -35,6 +34,8 @@ class Forward {
       : a_(a), d_(a.head_dim), dp_(round_up(a.head_dim, kVecWidth)), t_(ScoreTransform::make(a)) {}
 
   void run() {
+    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, dp_);
+    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, dp_);
     std::vector<WorkItem> items = make_items();
     std::vector<ForwardScratch> scratch;
     const int threads = static_cast<int>(std::min<int64_t>(a_.num_threads, std::max<size_t>(items.size(), 1)));
@@ -81,15 +82,15 @@ class Forward {
       const core::BlockKind kind = t_.mask.classify(pq0, pq0 + rows, pk0, pk0 + n);
       if (kind == core::BlockKind::kEmpty) continue;
       const int64_t k0 = s.row_k + (pk0 - s.pos_k);
-      const RowBlock kb = rows_fp32<T>(a_.k, b, k0, hk, n, d_, d_, w.k.data());
-      const RowBlock vb = rows_fp32<T>(a_.v, b, k0, hk, n, d_, dp_, w.v.data());
+      const float* kt = k_.row(slot(a_, b), hk, k0);
+      const float* vt = v_.row(slot(a_, b), hk, k0);
 
       // S^T (n x kBlockM) = K Q^T
-      gemm<false>(n, kBlockM, d_, {kb.data, kb.ld, 1, w.qt.data(), kBlockM, w.st.data(), kBlockM});
+      gemm<false>(n, kBlockM, d_, {kt, dp_, 1, w.qt.data(), kBlockM, w.st.data(), kBlockM});
       transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
       online_softmax(n, w);
       // O += P V, with P = (S^T)^T read in place.
-      gemm<true>(kBlockM, dp_, n, {w.st.data(), 1, kBlockM, vb.data, vb.ld, w.o.data(), dp_});
+      gemm<true>(kBlockM, dp_, n, {w.st.data(), 1, kBlockM, vt, dp_, w.o.data(), dp_});
     }
     finish(b, h, s, q0, rows, w);
   }
@@ -173,6 +174,7 @@ class Forward {
   const AttentionArgs& a_;
   const int64_t d_, dp_;
   const ScoreTransform t_;
+  HeadMajor k_, v_;
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../common/mask.h"
+#include "../../core/thread_pool.h"
 #include "../common/params.h"
 #include "gemm.h"
 #include "vec.h"
@@ -67,23 +68,40 @@ inline float* lse_ptr(const AttentionArgs& a, int64_t b, int64_t row, int64_t h)
 
 inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_left, a.window_right}; }
 
-// A block of rows of q / k / v / dout as fp32: either the tensor itself (fp32 input and a
-// head_dim that is whole vectors) or a converted copy, zero-padded to `ld` columns.
-struct RowBlock {
-  const float* data;
-  int64_t ld;
+// One operand (k or v) copied to fp32, head-major: for each sequence slot and head, its rows are
+// contiguous and zero-padded to `padded` columns. In the (S, H, D) layout rows of one head are
+// H * D elements apart, often 4 KiB or more, so every row sits on its own page; gathering a tile
+// of them for every query tile is bound by TLB misses. One pass up front reads each page once.
+class HeadMajor {
+ public:
+  template <typename T>
+  void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, int64_t rows, int64_t heads, int64_t padded) {
+    slots_ = a.cu_seqlens_q ? 1 : a.batch;
+    rows_ = rows;
+    heads_ = heads;
+    padded_ = padded;
+    data_.resize(static_cast<size_t>(slots_ * heads * rows * padded));
+    core::parallel_for(slots_ * heads, a.num_threads, [&](int64_t i, int) {
+      const int64_t b = i / heads, h = i % heads;
+      const T* src = row_ptr<const T>(o, b, 0, h);
+      float* dst = data_.data() + i * rows * padded;
+      for (int64_t r = 0; r < rows; ++r) convert_row(src + r * o.row_stride, a.head_dim, padded, dst + r * padded);
+    });
+  }
+
+  // Row `row` (counted from the start of the tensor) of head h of sequence slot b.
+  const float* row(int64_t b, int64_t h, int64_t row) const {
+    return data_.data() + ((b * heads_ + h) * rows_ + row) * padded_;
+  }
+  int64_t ld() const { return padded_; }
+
+ private:
+  std::vector<float> data_;
+  int64_t slots_ = 0, rows_ = 0, heads_ = 0, padded_ = 0;
 };
 
-template <typename T>
-inline RowBlock rows_fp32(const AttentionArgs::Operand& o, int64_t b, int64_t row0, int64_t h, int64_t rows,
-                          int64_t head_dim, int64_t padded_dim, float* scratch) {
-  const T* src = row_ptr<const T>(o, b, row0, h);
-  if constexpr (std::is_same_v<T, float>) {
-    if (padded_dim == head_dim) return {src, o.row_stride};
-  }
-  for (int64_t r = 0; r < rows; ++r) convert_row(src + r * o.row_stride, head_dim, padded_dim, scratch + r * padded_dim);
-  return {scratch, padded_dim};
-}
+// The sequence slot of sequence b in a head-major copy: packed batches have one slot.
+inline int64_t slot(const AttentionArgs& a, int64_t b) { return a.cu_seqlens_q ? 0 : b; }
 
 // dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero.
 template <typename T>
