@@ -77,6 +77,11 @@ def make_qkv(shape: Shape, dtype: torch.dtype, seed: int = 0) -> Tuple[torch.Ten
     return q, k, v
 
 
+def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 (B + 1,): where each of the packed sequences starts, and the total."""
+    return torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
 def alibi_slopes(heads: int, batch: Optional[int] = None) -> torch.Tensor:
     """The geometric ALiBi slopes of the paper, float32 (H,), or (B, H) varied per batch."""
     slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32)
