@@ -5,9 +5,15 @@
 // visible. dQ receives contributions from every chunk, so each chunk adds into its own fp32 copy
 // of dQ and a final pass sums the copies in a fixed order: the result is deterministic, whatever
 // the thread count or scheduling.
+//
+// Per (query tile, key tile), with every B operand a dense panel:
+//   S^T = K Q^T,   P^T = exp2(S^T - lse)          B = Q^T
+//   dV += P^T dO                                   B = dO (column panels)
+//   dP^T = V dO^T, dS^T = P^T (dP^T - delta)       B = dO^T
+//   dK += dS^T Q                                   B = Q (column panels)
+//   dQ^T += K^T dS^T                               B = dS^T
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "../../core/thread_pool.h"
@@ -28,20 +34,26 @@ struct WorkItem {
 };
 
 struct BackwardScratch {
-  std::vector<float> st, dpt, tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
-  std::vector<float> dk, dv;              // kBlockN x padded accumulators
+  std::vector<float> st, ds, tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
+  std::vector<float> dk, dv;             // kBlockN x padded accumulators
   explicit BackwardScratch(int64_t padded)
-      : st(kBlockN * kBlockM), dpt(kBlockN * kBlockM), tanh_grad(kBlockN * kBlockM), dk(kBlockN * padded),
+      : st(kBlockN * kBlockM), ds(kBlockN * kBlockM), tanh_grad(kBlockN * kBlockM), dk(kBlockN * padded),
         dv(kBlockN * padded) {}
 };
 
-// Every query tile of every head, packed once per call in the forms the tile products read:
-// Q^T (scaled) and dO^T as head_dim x kBlockM, Q and dO rows as kBlockM x padded, delta = rowsum(dO * O)
-// and lse in log2 units. Rows past a sequence's end are zero, with lse +inf so that their P is 0.
+// One query tile in the forms the products read.
 struct QueryTile {
-  const float *qt, *q, *dot, *dout, *delta, *lse2;
+  const float* qt;     // Q^T, scaled: head_dim x kBlockM
+  const float* q;      // Q: kBlockM x padded, column panels
+  const float* dot;    // dO^T: head_dim x kBlockM
+  const float* dout;   // dO: kBlockM x padded, column panels
+  const float* delta;  // rowsum(dO * O), kBlockM
+  const float* lse2;   // lse in log2 units, kBlockM
 };
 
+// Every query tile of every head, packed once per call. Rows past a sequence's end are zero,
+// with lse +inf so that their P is exactly 0. Tiles are numbered per head: sequence b's tile t
+// is tile first_tile(b) + t.
 class QueryTiles {
  public:
   template <typename T>
@@ -51,8 +63,7 @@ class QueryTiles {
     first_tile_.assign(static_cast<size_t>(a.batch + 1), 0);
     for (int64_t b = 0; b < a.batch; ++b)
       first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_q + kBlockM - 1) / kBlockM;
-    tiles_ = first_tile_[a.batch];
-    const int64_t n = a.heads_q * tiles_;
+    const int64_t n = a.heads_q * tiles();
     qt_.resize(static_cast<size_t>(n * d_ * kBlockM));
     dot_.resize(qt_.size());
     q_.resize(static_cast<size_t>(n * kBlockM * padded));
@@ -66,42 +77,42 @@ class QueryTiles {
     });
   }
 
-  QueryTile tile(int64_t b, int64_t h, int64_t t) const {
-    const int64_t g = h * tiles_ + first_tile_[b] + t;
-    return {qt_.data() + g * d_ * kBlockM, q_.data() + g * kBlockM * padded_, dot_.data() + g * d_ * kBlockM,
-            dout_.data() + g * kBlockM * padded_, delta_.data() + g * kBlockM, lse2_.data() + g * kBlockM};
+  int64_t tiles() const { return first_tile_.back(); }
+  int64_t index(int64_t b, int64_t h, int64_t t) const { return h * tiles() + first_tile_[b] + t; }
+
+  QueryTile tile(int64_t g) const {
+    return {qt_.data() + g * d_ * kBlockM,      q_.data() + g * kBlockM * padded_,
+            dot_.data() + g * d_ * kBlockM,     dout_.data() + g * kBlockM * padded_,
+            delta_.data() + g * kBlockM,        lse2_.data() + g * kBlockM};
   }
 
  private:
   template <typename T>
   void pack_tile(const AttentionArgs& a, int64_t b, int64_t h, const Sequence& s, int64_t t, float q_scale) {
-    const int64_t g = h * tiles_ + first_tile_[b] + t;
+    const int64_t g = index(b, h, t);
     const int64_t row0 = s.row_q + t * kBlockM, rows = std::min(kBlockM, s.len_q - t * kBlockM);
     const T* q = row_ptr<const T>(a.q, b, row0, h);
     const T* dout = row_ptr<const T>(a.dout, b, row0, h);
     pack_transposed(q, a.q.row_stride, rows, d_, q_scale, qt_.data() + g * d_ * kBlockM);
     pack_transposed(dout, a.dout.row_stride, rows, d_, 1.0f, dot_.data() + g * d_ * kBlockM);
-    float* qr = q_.data() + g * kBlockM * padded_;
-    float* dr = dout_.data() + g * kBlockM * padded_;
+    pack_panels(q, a.q.row_stride, rows, q_.data() + g * kBlockM * padded_);
+    pack_panels(dout, a.dout.row_stride, rows, dout_.data() + g * kBlockM * padded_);
     float* delta = delta_.data() + g * kBlockM;
     float* lse2 = lse2_.data() + g * kBlockM;
-    for (int64_t r = 0; r < kBlockM; ++r, qr += padded_, dr += padded_) {
+    for (int64_t r = 0; r < kBlockM; ++r) {
       if (r >= rows) {
-        std::fill(qr, qr + padded_, 0.0f);
-        std::fill(dr, dr + padded_, 0.0f);
         delta[r] = 0.0f;
         lse2[r] = kInf;
         continue;
       }
-      convert_row(q + r * a.q.row_stride, d_, padded_, qr);
-      convert_row(dout + r * a.dout.row_stride, d_, padded_, dr);
+      const T* dr = dout + r * a.dout.row_stride;
       float sum = 0.0f;
       if (a.out_dtype == DType::kFloat32) {
         const float* o = row_ptr<const float>(a.out, b, row0 + r, h);
-        for (int64_t d = 0; d < d_; ++d) sum += dr[d] * o[d];
+        for (int64_t d = 0; d < d_; ++d) sum += to_float(dr[d]) * o[d];
       } else {
         const T* o = row_ptr<const T>(a.out, b, row0 + r, h);
-        for (int64_t d = 0; d < d_; ++d) sum += dr[d] * to_float(o[d]);
+        for (int64_t d = 0; d < d_; ++d) sum += to_float(dr[d]) * to_float(o[d]);
       }
       delta[r] = sum;
       const float lse = *lse_ptr(a, b, row0 + r, h);
@@ -110,7 +121,26 @@ class QueryTiles {
     }
   }
 
-  int64_t d_ = 0, padded_ = 0, tiles_ = 0;
+  // kBlockM rows as column panels of kNR (gemm_panels' layout), zero-padded.
+  template <typename T>
+  void pack_panels(const T* src, int64_t row_stride, int64_t rows, float* dst) const {
+    for (int64_t n0 = 0; n0 < padded_; n0 += kNR) {
+      const int64_t width = std::min<int64_t>(kNR, padded_ - n0);
+      float* panel = dst + n0 * kBlockM;
+      for (int64_t r = 0; r < kBlockM; ++r) {
+        float* out = panel + r * width;
+        if (r >= rows) {
+          std::fill(out, out + width, 0.0f);
+          continue;
+        }
+        const T* in = src + r * row_stride + n0;
+        const int64_t valid = std::clamp<int64_t>(d_ - n0, 0, width);
+        convert_row(in, valid, width, out);
+      }
+    }
+  }
+
+  int64_t d_ = 0, padded_ = 0;
   std::vector<int64_t> first_tile_;
   std::vector<float> qt_, q_, dot_, dout_, delta_, lse2_;
 };
@@ -123,21 +153,18 @@ class Backward {
         t_(ScoreTransform::make(a)) {}
 
   void run() {
-    total_q_ = a_.rows_q;
-    chunks_ = chunk_count();
-    std::vector<WorkItem> items = make_items();
-    const int threads = std::max(1, static_cast<int>(std::min<int64_t>(a_.num_threads, std::max<size_t>(items.size(), 1))));
-    const int64_t batches = a_.cu_seqlens_q ? 1 : a_.batch;
-    dq_acc_.assign(static_cast<size_t>(chunks_ * batches * total_q_ * a_.heads_q * dp_), 0.0f);
-    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, dp_);
-    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, dp_);
+    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_);
+    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_);
     queries_.pack<T>(a_, t_.q_scale, dp_);
-    std::vector<BackwardScratch> scratch;
-    scratch.reserve(threads);
-    for (int i = 0; i < threads; ++i) scratch.emplace_back(dp_);
+    chunks_ = chunk_count();
+    const std::vector<WorkItem> items = make_items();
+    const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
+    dq_acc_.assign(static_cast<size_t>(chunks_ * a_.heads_q * queries_.tiles() * d_ * kBlockM), 0.0f);
+    std::vector<BackwardScratch> scratch(threads, BackwardScratch(dp_));
     core::parallel_for(static_cast<int64_t>(items.size()), threads,
                        [&](int64_t i, int worker) { chunk(items[i], scratch[worker]); });
-    write_dq(threads);
+    write_dq();
+    zero_unused_rows();
   }
 
  private:
@@ -169,11 +196,8 @@ class Backward {
     return items;
   }
 
-  float* dq_acc(int64_t chunk, int64_t b, int64_t row, int64_t h) {
-    const int64_t batches = a_.cu_seqlens_q ? 1 : a_.batch;
-    // (chunk, batch, head, row, padded head_dim): rows of one head are contiguous.
-    return dq_acc_.data() + (((chunk * batches + (a_.cu_seqlens_q ? 0 : b)) * a_.heads_q + h) * total_q_ + row) * dp_;
-  }
+  // dQ^T of query tile g, as summed by one chunk: head_dim x kBlockM.
+  float* dq_acc(int64_t chunk, int64_t g) { return dq_acc_.data() + (chunk * a_.heads_q * queries_.tiles() + g) * d_ * kBlockM; }
 
   void chunk(const WorkItem& item, BackwardScratch& w) {
     const int64_t b = item.b, hk = item.hk;
@@ -187,25 +211,24 @@ class Backward {
       std::fill(w.dv.begin(), w.dv.end(), 0.0f);
       int64_t first, last;
       t_.mask.query_span(pk0, pk0 + n, s.pos_q, s.pos_q + s.len_q, &first, &last);
-      if (first < last) {
-        const int64_t t_first = (first - s.pos_q) / kBlockM, t_last = (last - s.pos_q + kBlockM - 1) / kBlockM;
-        for (int64_t g = 0; g < group_; ++g) {
-          const int64_t h = hk * group_ + g;
-          const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
-          for (int64_t t = t_first; t < t_last; ++t) {
-            const int64_t q0 = t * kBlockM, rows = std::min(kBlockM, s.len_q - q0);
-            const core::BlockKind kind = t_.mask.classify(s.pos_q + q0, s.pos_q + q0 + rows, pk0, pk0 + n);
-            if (kind == core::BlockKind::kEmpty) continue;
-            const Tile tile{queries_.tile(b, h, t), s.pos_q + q0, rows, pk0, n, kind == core::BlockKind::kPartial, alibi};
-            step(tile, kt, vt, dq_acc(item.chunk, b, s.row_q + q0, h), w);
-          }
+      const int64_t t_first = (first - s.pos_q) / kBlockM, t_last = (last - s.pos_q + kBlockM - 1) / kBlockM;
+      for (int64_t g = 0; g < group_ && first < last; ++g) {
+        const int64_t h = hk * group_ + g;
+        const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
+        for (int64_t t = t_first; t < t_last; ++t) {
+          const int64_t q0 = t * kBlockM, rows = std::min(kBlockM, s.len_q - q0);
+          const core::BlockKind kind = t_.mask.classify(s.pos_q + q0, s.pos_q + q0 + rows, pk0, pk0 + n);
+          if (kind == core::BlockKind::kEmpty) continue;
+          const int64_t tile = queries_.index(b, h, t);
+          const Step step{queries_.tile(tile), s.pos_q + q0, rows, pk0, n, kind == core::BlockKind::kPartial, alibi};
+          run_step(step, kt, vt, dq_acc(item.chunk, tile), w);
         }
       }
       write_kv(b, hk, s.row_k + j0, n, w);
     }
   }
 
-  struct Tile {
+  struct Step {
     QueryTile q;
     int64_t pq0, rows, pk0, n;
     bool partial;
@@ -213,22 +236,19 @@ class Backward {
   };
 
   // One (query tile, key tile) pair: recompute P, then dV, dS, dK and this tile's share of dQ.
-  void step(const Tile& t, const float* kt, const float* vt, float* dq, BackwardScratch& w) const {
+  void run_step(const Step& t, const float* kt, const float* vt, float* dqt, BackwardScratch& w) const {
     const int64_t n = t.n;
-    // P^T = exp2(S^T - lse), S^T = K Q^T
     float* st = w.st.data();
-    gemm<false>(n, kBlockM, d_, {kt, dp_, 1, t.q.qt, kBlockM, st, kBlockM});
+    float* ds = w.ds.data();
+    gemm<false>(n, kBlockM, d_, {kt, d_, 1, t.q.qt, kBlockM, st, kBlockM});
     transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
         float* p = st + r * kBlockM + c * kVecWidth;
         store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
-    // dV += P^T dO
-    gemm<true>(n, dp_, t.rows, {st, kBlockM, 1, t.q.dout, dp_, w.dv.data(), dp_});
-    // dP^T = V dO^T
-    float* ds = w.dpt.data();
-    gemm<false>(n, kBlockM, d_, {vt, dp_, 1, t.q.dot, kBlockM, ds, kBlockM});
+    gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv.data(), dp_);
+    gemm<false>(n, kBlockM, d_, {vt, d_, 1, t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -237,10 +257,8 @@ class Backward {
         if (t_.softcap) g *= load(w.tanh_grad.data() + at);
         store(ds + at, g);
       }
-    // dK += dS^T Q
-    gemm<true>(n, dp_, t.rows, {ds, kBlockM, 1, t.q.q, dp_, w.dk.data(), dp_});
-    // dQ += dS K, dS = (dS^T)^T read in place
-    gemm<true>(t.rows, dp_, n, {ds, 1, kBlockM, kt, dp_, dq, dp_});
+    gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk.data(), dp_);
+    gemm<true>(d_, kBlockM, n, {kt, 1, d_, ds, kBlockM, dqt, kBlockM});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
@@ -257,45 +275,48 @@ class Backward {
       store_row(src, d_, a_.accumulate, row_ptr<T>(o, b, row, h));
   }
 
-  // dq = sum over chunks of the fp32 partial sums, in chunk order. Rows that no item reached
-  // (masked out, or outside every packed sequence) get zeros from the zero-filled partials.
-  void write_dq(int threads) {
-    const int64_t batches = a_.cu_seqlens_q ? 1 : a_.batch;
-    const int64_t rows = batches * total_q_;
-    std::vector<std::vector<float>> sums(threads, std::vector<float>(dp_));
-    core::parallel_for(rows, threads, [&](int64_t i, int worker) {
-      const int64_t b = a_.cu_seqlens_q ? 0 : i / total_q_, row = a_.cu_seqlens_q ? i : i % total_q_;
-      float* sum = sums[worker].data();
-      for (int64_t h = 0; h < a_.heads_q; ++h) {
-        std::copy_n(dq_acc(0, b, row, h), dp_, sum);
+  // dq = sum over chunks of the fp32 dQ^T tiles, in chunk order. Query rows that no key reached
+  // get zeros from the zero-filled partials.
+  void write_dq() {
+    core::parallel_for(a_.batch * a_.heads_q, a_.num_threads, [&](int64_t i, int) {
+      const int64_t b = i / a_.heads_q, h = i % a_.heads_q;
+      const Sequence s = sequence(a_, b);
+      std::vector<float> sum(d_ * kBlockM), row(d_);
+      for (int64_t t = 0; t * kBlockM < s.len_q; ++t) {
+        const int64_t tile = queries_.index(b, h, t);
+        std::copy_n(dq_acc(0, tile), sum.size(), sum.begin());
         for (int64_t c = 1; c < chunks_; ++c) {
-          const float* part = dq_acc(c, b, row, h);
-          for (int64_t d = 0; d < dp_; ++d) sum[d] += part[d];
+          const float* part = dq_acc(c, tile);
+          for (size_t e = 0; e < sum.size(); ++e) sum[e] += part[e];
         }
-        store_grad(sum, a_.dq, b, row, h);
+        const int64_t rows = std::min(kBlockM, s.len_q - t * kBlockM);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t d = 0; d < d_; ++d) row[d] = sum[d * kBlockM + r];
+          store_grad(row.data(), a_.dq, b, s.row_q + t * kBlockM + r, h);
+        }
       }
     });
-    zero_unused_kv();
   }
 
-  // Rows of a packed batch outside [cu_seqlens_k[0], cu_seqlens_k[B]) belong to no sequence and
-  // are visited by no item; without accumulate their gradients are still written, as zeros.
-  void zero_unused_kv() const {
-    if (a_.accumulate || !a_.cu_seqlens_k) return;
-    const std::vector<float> zeros(dp_, 0.0f);
-    for (int64_t r = 0; r < a_.rows_k; ++r) {
-      if (r >= a_.cu_seqlens_k[0] && r < a_.cu_seqlens_k[a_.batch]) continue;
+  // Rows of a packed batch outside every sequence are visited by nothing; without accumulate
+  // their gradients are still written, as zeros.
+  void zero_unused_rows() const {
+    if (a_.accumulate) return;
+    const std::vector<float> zeros(d_, 0.0f);
+    for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t r) {
+      for (int64_t h = 0; h < a_.heads_q; ++h) store_grad(zeros.data(), a_.dq, 0, r, h);
+    });
+    for_unused_rows(a_, a_.cu_seqlens_k, a_.rows_k, [&](int64_t r) {
       for (int64_t hk = 0; hk < a_.heads_kv; ++hk) {
         store_grad(zeros.data(), a_.dk, 0, r, hk);
         store_grad(zeros.data(), a_.dv, 0, r, hk);
       }
-    }
+    });
   }
 
   const AttentionArgs& a_;
   const int64_t d_, dp_, group_;
   const ScoreTransform t_;
-  int64_t total_q_ = 0;
   int64_t chunks_ = 1;
   std::vector<float> dq_acc_;
   HeadMajor k_, v_;

@@ -87,4 +87,16 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const GemmOperands& o) {
   }
 }
 
+// C (M x N) = A B, or C += A B, with B stored as column panels: panel p holds columns
+// [p * kNR, p * kNR + width) as a dense `depth` x width block (depth >= K), the panels one after
+// another. Dense panels keep B reads free of the cache-set conflicts that a wide row stride causes.
+template <bool kAccumulate>
+inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_cs,
+                        const float* b_panels, int64_t depth, float* c, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < N; n0 += kNR) {
+    const int64_t width = N - n0 < kNR ? N - n0 : kNR;
+    gemm<kAccumulate>(M, width, K, {a, a_rs, a_cs, b_panels + n0 * depth, width, c + n0, ldc});
+  }
+}
+
 }  // namespace ringflash::cpu

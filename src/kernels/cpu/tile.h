@@ -100,6 +100,15 @@ class HeadMajor {
   int64_t slots_ = 0, rows_ = 0, heads_ = 0, padded_ = 0;
 };
 
+// Calls fn(row) for every row of a packed tensor of `rows` rows that lies outside
+// [cu_seqlens[0], cu_seqlens[B]), i.e. in no sequence. Padded batches (cu_seqlens null) have none.
+template <typename Fn>
+inline void for_unused_rows(const AttentionArgs& a, const int32_t* cu_seqlens, int64_t rows, Fn&& fn) {
+  if (!cu_seqlens) return;
+  for (int64_t r = 0; r < rows; ++r)
+    if (r < cu_seqlens[0] || r >= cu_seqlens[a.batch]) fn(r);
+}
+
 // The sequence slot of sequence b in a head-major copy: packed batches have one slot.
 inline int64_t slot(const AttentionArgs& a, int64_t b) { return a.cu_seqlens_q ? 0 : b; }
 
