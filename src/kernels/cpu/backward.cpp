@@ -63,13 +63,13 @@ class QueryTiles {
     first_tile_.assign(static_cast<size_t>(a.batch + 1), 0);
     for (int64_t b = 0; b < a.batch; ++b)
       first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_q + kBlockM - 1) / kBlockM;
-    const int64_t n = a.heads_q * tiles();
-    qt_.resize(static_cast<size_t>(n * d_ * kBlockM));
-    dot_.resize(qt_.size());
-    q_.resize(static_cast<size_t>(n * kBlockM * padded));
-    dout_.resize(q_.size());
-    delta_.resize(static_cast<size_t>(n * kBlockM));
-    lse2_.resize(delta_.size());
+    const size_t n = static_cast<size_t>(a.heads_q * tiles());
+    qt_ = workspace(Buffer::kQueryT, n * d_ * kBlockM);
+    dot_ = workspace(Buffer::kDoutT, n * d_ * kBlockM);
+    q_ = workspace(Buffer::kQuery, n * kBlockM * padded);
+    dout_ = workspace(Buffer::kDout, n * kBlockM * padded);
+    delta_ = workspace(Buffer::kDelta, n * kBlockM);
+    lse2_ = workspace(Buffer::kLse2, n * kBlockM);
     core::parallel_for(a.batch * a.heads_q, a.num_threads, [&](int64_t i, int) {
       const int64_t b = i / a.heads_q, h = i % a.heads_q;
       const Sequence s = sequence(a, b);
@@ -81,9 +81,8 @@ class QueryTiles {
   int64_t index(int64_t b, int64_t h, int64_t t) const { return h * tiles() + first_tile_[b] + t; }
 
   QueryTile tile(int64_t g) const {
-    return {qt_.data() + g * d_ * kBlockM,      q_.data() + g * kBlockM * padded_,
-            dot_.data() + g * d_ * kBlockM,     dout_.data() + g * kBlockM * padded_,
-            delta_.data() + g * kBlockM,        lse2_.data() + g * kBlockM};
+    return {qt_ + g * d_ * kBlockM, q_ + g * kBlockM * padded_, dot_ + g * d_ * kBlockM,
+            dout_ + g * kBlockM * padded_, delta_ + g * kBlockM, lse2_ + g * kBlockM};
   }
 
  private:
@@ -93,12 +92,12 @@ class QueryTiles {
     const int64_t row0 = s.row_q + t * kBlockM, rows = std::min(kBlockM, s.len_q - t * kBlockM);
     const T* q = row_ptr<const T>(a.q, b, row0, h);
     const T* dout = row_ptr<const T>(a.dout, b, row0, h);
-    pack_transposed(q, a.q.row_stride, rows, d_, q_scale, qt_.data() + g * d_ * kBlockM);
-    pack_transposed(dout, a.dout.row_stride, rows, d_, 1.0f, dot_.data() + g * d_ * kBlockM);
-    pack_panels(q, a.q.row_stride, rows, q_.data() + g * kBlockM * padded_);
-    pack_panels(dout, a.dout.row_stride, rows, dout_.data() + g * kBlockM * padded_);
-    float* delta = delta_.data() + g * kBlockM;
-    float* lse2 = lse2_.data() + g * kBlockM;
+    pack_transposed(q, a.q.row_stride, rows, d_, q_scale, qt_ + g * d_ * kBlockM);
+    pack_transposed(dout, a.dout.row_stride, rows, d_, 1.0f, dot_ + g * d_ * kBlockM);
+    pack_panels(q, a.q.row_stride, rows, q_ + g * kBlockM * padded_);
+    pack_panels(dout, a.dout.row_stride, rows, dout_ + g * kBlockM * padded_);
+    float* delta = delta_ + g * kBlockM;
+    float* lse2 = lse2_ + g * kBlockM;
     for (int64_t r = 0; r < kBlockM; ++r) {
       if (r >= rows) {
         delta[r] = 0.0f;
@@ -142,7 +141,7 @@ class QueryTiles {
 
   int64_t d_ = 0, padded_ = 0;
   std::vector<int64_t> first_tile_;
-  std::vector<float> qt_, q_, dot_, dout_, delta_, lse2_;
+  float *qt_ = nullptr, *q_ = nullptr, *dot_ = nullptr, *dout_ = nullptr, *delta_ = nullptr, *lse2_ = nullptr;
 };
 
 template <typename T>
@@ -153,13 +152,15 @@ class Backward {
         t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_);
-    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_);
+    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_, Buffer::kKeys);
+    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_, Buffer::kValues);
     queries_.pack<T>(a_, t_.q_scale, dp_);
     chunks_ = chunk_count();
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
-    dq_acc_.assign(static_cast<size_t>(chunks_ * a_.heads_q * queries_.tiles() * d_ * kBlockM), 0.0f);
+    const size_t acc_size = static_cast<size_t>(chunks_ * a_.heads_q * queries_.tiles() * d_ * kBlockM);
+    dq_acc_ = workspace(Buffer::kDqAccumulator, acc_size);
+    std::fill(dq_acc_, dq_acc_ + acc_size, 0.0f);
     std::vector<BackwardScratch> scratch(threads, BackwardScratch(dp_));
     core::parallel_for(static_cast<int64_t>(items.size()), threads,
                        [&](int64_t i, int worker) { chunk(items[i], scratch[worker]); });
@@ -197,7 +198,7 @@ class Backward {
   }
 
   // dQ^T of query tile g, as summed by one chunk: head_dim x kBlockM.
-  float* dq_acc(int64_t chunk, int64_t g) { return dq_acc_.data() + (chunk * a_.heads_q * queries_.tiles() + g) * d_ * kBlockM; }
+  float* dq_acc(int64_t chunk, int64_t g) { return dq_acc_ + (chunk * a_.heads_q * queries_.tiles() + g) * d_ * kBlockM; }
 
   void chunk(const WorkItem& item, BackwardScratch& w) {
     const int64_t b = item.b, hk = item.hk;
@@ -318,7 +319,7 @@ class Backward {
   const int64_t d_, dp_, group_;
   const ScoreTransform t_;
   int64_t chunks_ = 1;
-  std::vector<float> dq_acc_;
+  float* dq_acc_ = nullptr;
   HeadMajor k_, v_;
   QueryTiles queries_;
 };

@@ -38,8 +38,8 @@ class Forward {
   explicit Forward(const AttentionArgs& a) : a_(a), d_(a.head_dim), t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_);
-    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_);
+    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_, Buffer::kKeys);
+    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_, Buffer::kValues);
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
     std::vector<ForwardScratch> scratch(threads, ForwardScratch(d_));

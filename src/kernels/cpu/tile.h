@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../common/mask.h"
@@ -68,6 +69,25 @@ inline float* lse_ptr(const AttentionArgs& a, int64_t b, int64_t row, int64_t h)
 
 inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_left, a.window_right}; }
 
+// Large per-call buffers, kept by the calling thread for its next call: repeated calls then reuse
+// warm pages instead of faulting in fresh ones. Contents are not preserved between uses.
+enum class Buffer { kKeys, kValues, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kCount };
+
+inline float* workspace(Buffer slot, size_t n) {
+  struct Cached {
+    std::unique_ptr<float[]> data;
+    size_t size = 0;
+  };
+  thread_local Cached cache[static_cast<int>(Buffer::kCount)];
+  Cached& c = cache[static_cast<int>(slot)];
+  if (c.size < n) {
+    c.data.reset();
+    c.data.reset(new float[n]);
+    c.size = n;
+  }
+  return c.data.get();
+}
+
 // One operand (k or v) copied to fp32, head-major: for each sequence slot and head, its rows are
 // contiguous and zero-padded to `padded` columns. In the (S, H, D) layout rows of one head are
 // H * D elements apart, often 4 KiB or more, so every row sits on its own page; gathering a tile
@@ -75,28 +95,29 @@ inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_l
 class HeadMajor {
  public:
   template <typename T>
-  void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, int64_t rows, int64_t heads, int64_t padded) {
+  void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, int64_t rows, int64_t heads, int64_t padded,
+            Buffer slot) {
     slots_ = a.cu_seqlens_q ? 1 : a.batch;
     rows_ = rows;
     heads_ = heads;
     padded_ = padded;
-    data_.resize(static_cast<size_t>(slots_ * heads * rows * padded));
+    data_ = workspace(slot, static_cast<size_t>(slots_ * heads * rows * padded));
     core::parallel_for(slots_ * heads, a.num_threads, [&](int64_t i, int) {
       const int64_t b = i / heads, h = i % heads;
       const T* src = row_ptr<const T>(o, b, 0, h);
-      float* dst = data_.data() + i * rows * padded;
+      float* dst = data_ + i * rows * padded;
       for (int64_t r = 0; r < rows; ++r) convert_row(src + r * o.row_stride, a.head_dim, padded, dst + r * padded);
     });
   }
 
   // Row `row` (counted from the start of the tensor) of head h of sequence slot b.
   const float* row(int64_t b, int64_t h, int64_t row) const {
-    return data_.data() + ((b * heads_ + h) * rows_ + row) * padded_;
+    return data_ + ((b * heads_ + h) * rows_ + row) * padded_;
   }
   int64_t ld() const { return padded_; }
 
  private:
-  std::vector<float> data_;
+  float* data_ = nullptr;
   int64_t slots_ = 0, rows_ = 0, heads_ = 0, padded_ = 0;
 };
 
@@ -178,15 +199,5 @@ inline void transform_scores(const ScoreTransform& t, float alibi_log2e, bool pa
     }
   }
 }
-
-// Per-worker scratch, reused across items.
-struct Scratch {
-  std::vector<float> data;
-  float* take(size_t n, size_t& used) {
-    float* p = data.data() + used;
-    used += round_up(static_cast<int64_t>(n), kVecWidth);
-    return p;
-  }
-};
 
 }  // namespace ringflash::cpu
