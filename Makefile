@@ -64,13 +64,13 @@ setup-python:
 	@if ! $(PYTHON) -c "import sys, $(PIP_IMPORTS); \
 	  sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
 	  echo "setup: pip install $(PIP_PACKAGES)"; \
-	  $(PYTHON) -m pip install -q $(PIP_PACKAGES); \
+	  $(PYTHON) -m pip install -q --root-user-action=ignore $(PIP_PACKAGES); \
 	fi
 
 $(PY_STAMP): $(PY_SOURCES) | setup-system setup-python
 	@if [ ! -f pyproject.toml ]; then echo "setup: no pyproject.toml, the Python package is not built"; exit 0; fi; \
 	echo "setup: pip install --no-build-isolation ."; \
-	$(PYTHON) -m pip install -q --no-build-isolation . ; \
+	$(PYTHON) -m pip install -q --root-user-action=ignore --no-build-isolation . ; \
 	mkdir -p $(@D) && touch $@
 
 build: setup-system
