@@ -61,6 +61,8 @@ setup-system:
 	fi
 
 setup-python:
+	@if ! $(PYTHON) -m pip --version >/dev/null 2>&1; then \
+	  echo "setup: $(PYTHON) has no pip; use a Python with pip, e.g. make PYTHON=/path/to/venv/bin/python"; exit 1; fi
 	@if ! $(PYTHON) -c "import sys, $(PIP_IMPORTS); \
 	  sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
 	  echo "setup: pip install $(PIP_PACKAGES)"; \
