@@ -23,7 +23,6 @@
 namespace ringflash::cpu {
 namespace {
 
-constexpr int64_t kBlockN = 128;  // keys per tile
 // Chunks per (sequence, K/V head) are chosen so that there are at least this many items per thread.
 constexpr int64_t kItemsPerThread = 2;
 
@@ -152,8 +151,9 @@ class Backward {
         t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_, Buffer::kKeys);
-    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_, Buffer::kValues);
+    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kRows, Buffer::kKeys);
+    kt_.pack<T>(a_, a_.k, KeyTiles::Layout::kColumns, Buffer::kKeysT);
+    vt_.pack<T>(a_, a_.v, KeyTiles::Layout::kColumns, Buffer::kValuesT);
     queries_.pack<T>(a_, t_.q_scale, dp_);
     chunks_ = chunk_count();
     const std::vector<WorkItem> items = make_items();
@@ -206,8 +206,8 @@ class Backward {
     for (int64_t j0 = item.k_begin; j0 < item.k_end; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, item.k_end - j0);
       const int64_t pk0 = s.pos_k + j0;
-      const float* kt = k_.row(slot(a_, b), hk, s.row_k + j0);
-      const float* vt = v_.row(slot(a_, b), hk, s.row_k + j0);
+      const int64_t key_tile = k_.index(b, hk, j0 / kBlockN);
+      const KeyTile keys{k_.tile(key_tile), kt_.tile(key_tile), vt_.tile(key_tile)};
       std::fill(w.dk.begin(), w.dk.end(), 0.0f);
       std::fill(w.dv.begin(), w.dv.end(), 0.0f);
       int64_t first, last;
@@ -222,12 +222,17 @@ class Backward {
           if (kind == core::BlockKind::kEmpty) continue;
           const int64_t tile = queries_.index(b, h, t);
           const Step step{queries_.tile(tile), s.pos_q + q0, rows, pk0, n, kind == core::BlockKind::kPartial, alibi};
-          run_step(step, kt, vt, dq_acc(item.chunk, tile), w);
+          run_step(step, keys, dq_acc(item.chunk, tile), w);
         }
       }
       write_kv(b, hk, s.row_k + j0, n, w);
     }
   }
+
+  // One key tile: K as rows (for dQ^T += K^T dS^T), K and V as columns (for S^T and dP^T).
+  struct KeyTile {
+    const float *k, *kt, *vt;
+  };
 
   struct Step {
     QueryTile q;
@@ -237,11 +242,11 @@ class Backward {
   };
 
   // One (query tile, key tile) pair: recompute P, then dV, dS, dK and this tile's share of dQ.
-  void run_step(const Step& t, const float* kt, const float* vt, float* dqt, BackwardScratch& w) const {
+  void run_step(const Step& t, const KeyTile& keys, float* dqt, BackwardScratch& w) const {
     const int64_t n = t.n;
     float* st = w.st.data();
     float* ds = w.ds.data();
-    gemm<false>(n, kBlockM, d_, {kt, d_, 1, t.q.qt, kBlockM, st, kBlockM});
+    gemm<false>(n, kBlockM, d_, {keys.kt, kt_.key_step(), kt_.dim_step(), t.q.qt, kBlockM, st, kBlockM});
     transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -249,7 +254,7 @@ class Backward {
         store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
     gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv.data(), dp_);
-    gemm<false>(n, kBlockM, d_, {vt, d_, 1, t.q.dot, kBlockM, ds, kBlockM});
+    gemm<false>(n, kBlockM, d_, {keys.vt, vt_.key_step(), vt_.dim_step(), t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -259,7 +264,7 @@ class Backward {
         store(ds + at, g);
       }
     gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk.data(), dp_);
-    gemm<true>(d_, kBlockM, n, {kt, 1, d_, ds, kBlockM, dqt, kBlockM});
+    gemm<true>(d_, kBlockM, n, {keys.k, k_.dim_step(), k_.key_step(), ds, kBlockM, dqt, kBlockM});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
@@ -320,7 +325,7 @@ class Backward {
   const ScoreTransform t_;
   int64_t chunks_ = 1;
   float* dq_acc_ = nullptr;
-  HeadMajor k_, v_;
+  KeyTiles k_, kt_, vt_;
   QueryTiles queries_;
 };
 

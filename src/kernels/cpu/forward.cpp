@@ -18,18 +18,30 @@
 namespace ringflash::cpu {
 namespace {
 
-// Keys per tile: 128 keys x 64 queries of fp32 scores is 32 KiB, the B panel of O^T += V^T P^T.
-constexpr int64_t kBlockN = 128;
+// kBlockN = 128 keys x 64 queries of fp32 scores is 32 KiB: the B panel of O^T += V^T P^T.
+// A work item takes up to this many consecutive query tiles of one head, so each key tile it
+// loads serves them all while it is in L2.
+constexpr int64_t kMaxGroup = 4;
+// Fewer tiles per item when that is what it takes to give each thread this many items.
+constexpr int64_t kItemsPerThread = 4;
 
 struct WorkItem {
-  int64_t b, h, q0;
+  int64_t b, h, q0, tiles;
   int64_t cost;  // visible keys, to hand out the longest items first
 };
 
+// Per query tile of an item: Q^T, O^T, running max and sum per query, and the factor that
+// rescales O^T for the latest max.
+struct QueryState {
+  std::vector<float> qt, ot, m, l, alpha;
+  explicit QueryState(int64_t head_dim)
+      : qt(head_dim * kBlockM), ot(head_dim * kBlockM), m(kBlockM), l(kBlockM), alpha(kBlockM) {}
+};
+
 struct ForwardScratch {
-  std::vector<float> qt, st, ot, m, l;  // Q^T, S^T / P^T, O^T, running max and sum per query
-  explicit ForwardScratch(int64_t head_dim)
-      : qt(head_dim * kBlockM), st(kBlockN * kBlockM), ot(head_dim * kBlockM), m(kBlockM), l(kBlockM) {}
+  std::vector<QueryState> queries;
+  std::vector<float> st;  // S^T, then P^T
+  explicit ForwardScratch(int64_t head_dim) : queries(kMaxGroup, QueryState(head_dim)), st(kBlockN * kBlockM) {}
 };
 
 template <typename T>
@@ -38,68 +50,83 @@ class Forward {
   explicit Forward(const AttentionArgs& a) : a_(a), d_(a.head_dim), t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, a_.rows_k, a_.heads_kv, d_, Buffer::kKeys);
-    v_.pack<T>(a_, a_.v, a_.rows_k, a_.heads_kv, d_, Buffer::kValues);
+    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kColumns, Buffer::kKeysT);
+    v_.pack<T>(a_, a_.v, KeyTiles::Layout::kRows, Buffer::kValues);
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
     std::vector<ForwardScratch> scratch(threads, ForwardScratch(d_));
     core::parallel_for(static_cast<int64_t>(items.size()), threads,
-                       [&](int64_t i, int worker) { tile(items[i], scratch[worker]); });
+                       [&](int64_t i, int worker) { run_item(items[i], scratch[worker]); });
     clear_unused_rows();
   }
 
  private:
   std::vector<WorkItem> make_items() const {
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < a_.batch; ++b) tiles += (sequence(a_, b).len_q + kBlockM - 1) / kBlockM * a_.heads_q;
+    const int64_t group = std::clamp<int64_t>(tiles / (kItemsPerThread * a_.num_threads), 1, kMaxGroup);
     std::vector<WorkItem> items;
     for (int64_t b = 0; b < a_.batch; ++b) {
       const Sequence s = sequence(a_, b);
-      for (int64_t q0 = 0; q0 < s.len_q; q0 += kBlockM) {
-        const int64_t q1 = std::min(q0 + kBlockM, s.len_q);
+      for (int64_t q0 = 0; q0 < s.len_q; q0 += group * kBlockM) {
+        const int64_t q1 = std::min(q0 + group * kBlockM, s.len_q);
         int64_t first, last;
         t_.mask.key_span(s.pos_q + q0, s.pos_q + q1, s.pos_k, s.pos_k + s.len_k, &first, &last);
-        for (int64_t h = 0; h < a_.heads_q; ++h) items.push_back({b, h, q0, last - first});
+        const int64_t n_tiles = (q1 - q0 + kBlockM - 1) / kBlockM;
+        for (int64_t h = 0; h < a_.heads_q; ++h) items.push_back({b, h, q0, n_tiles, (last - first) * n_tiles});
       }
     }
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
     return items;
   }
 
-  void tile(const WorkItem& item, ForwardScratch& w) const {
+  void run_item(const WorkItem& item, ForwardScratch& w) const {
     const int64_t b = item.b, h = item.h, hk = h / (a_.heads_q / a_.heads_kv);
     const Sequence s = sequence(a_, b);
-    const int64_t q0 = item.q0, rows = std::min(kBlockM, s.len_q - q0);
-    const int64_t pq0 = s.pos_q + q0;
     const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
+    const int64_t q_end = std::min(item.q0 + item.tiles * kBlockM, s.len_q);
 
-    pack_transposed(row_ptr<const T>(a_.q, b, s.row_q + q0, h), a_.q.row_stride, rows, d_, t_.q_scale, w.qt.data());
-    std::fill(w.ot.begin(), w.ot.end(), 0.0f);
-    std::fill(w.m.begin(), w.m.end(), -kInf);
-    std::fill(w.l.begin(), w.l.end(), 0.0f);
+    for (int64_t i = 0; i < item.tiles; ++i) {
+      QueryState& q = w.queries[i];
+      const int64_t q0 = item.q0 + i * kBlockM;
+      pack_transposed(row_ptr<const T>(a_.q, b, s.row_q + q0, h), a_.q.row_stride, std::min(kBlockM, s.len_q - q0),
+                      d_, t_.q_scale, q.qt.data());
+      std::fill(q.ot.begin(), q.ot.end(), 0.0f);
+      std::fill(q.m.begin(), q.m.end(), -kInf);
+      std::fill(q.l.begin(), q.l.end(), 0.0f);
+    }
 
     int64_t first, last;
-    t_.mask.key_span(pq0, pq0 + rows, s.pos_k, s.pos_k + s.len_k, &first, &last);
-    for (int64_t pk0 = first; pk0 < last; pk0 += kBlockN) {
-      const int64_t n = std::min(kBlockN, last - pk0);
-      const core::BlockKind kind = t_.mask.classify(pq0, pq0 + rows, pk0, pk0 + n);
-      if (kind == core::BlockKind::kEmpty) continue;
-      const int64_t k0 = s.row_k + (pk0 - s.pos_k);
-      const float* kt = k_.row(slot(a_, b), hk, k0);
-      const float* vt = v_.row(slot(a_, b), hk, k0);
-
-      // S^T (n x kBlockM) = K Q^T
-      gemm<false>(n, kBlockM, d_, {kt, d_, 1, w.qt.data(), kBlockM, w.st.data(), kBlockM});
-      transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
-      online_softmax(n, w);
-      // O^T (d x kBlockM) += V^T P^T
-      gemm<true>(d_, kBlockM, n, {vt, 1, d_, w.st.data(), kBlockM, w.ot.data(), kBlockM});
+    t_.mask.key_span(s.pos_q + item.q0, s.pos_q + q_end, s.pos_k, s.pos_k + s.len_k, &first, &last);
+    const int64_t t_first = (first - s.pos_k) / kBlockN, t_last = (last - s.pos_k + kBlockN - 1) / kBlockN;
+    for (int64_t t = t_first; t < t_last; ++t) {
+      const int64_t pk0 = s.pos_k + t * kBlockN, n = std::min(kBlockN, s.len_k - t * kBlockN);
+      const float* kt = k_.tile(k_.index(b, hk, t));
+      const float* vt = v_.tile(v_.index(b, hk, t));
+      for (int64_t i = 0; i < item.tiles; ++i) {
+        const int64_t pq0 = s.pos_q + item.q0 + i * kBlockM;
+        const int64_t rows = std::min(kBlockM, s.len_q - (item.q0 + i * kBlockM));
+        const core::BlockKind kind = t_.mask.classify(pq0, pq0 + rows, pk0, pk0 + n);
+        if (kind == core::BlockKind::kEmpty) continue;
+        QueryState& q = w.queries[i];
+        // S^T (n x kBlockM) = K Q^T
+        gemm<false>(n, kBlockM, d_, {kt, k_.key_step(), k_.dim_step(), q.qt.data(), kBlockM, w.st.data(), kBlockM});
+        transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
+        online_softmax(n, w.st.data(), q);
+        // O^T (d x kBlockM) = alpha O^T + V^T P^T
+        gemm<true>(d_, kBlockM, n,
+                   {vt, v_.dim_step(), v_.key_step(), w.st.data(), kBlockM, q.ot.data(), kBlockM, q.alpha.data()});
+      }
     }
-    finish(b, h, s, q0, rows, w);
+    for (int64_t i = 0; i < item.tiles; ++i) {
+      const int64_t q0 = item.q0 + i * kBlockM;
+      finish(b, h, s, q0, std::min(kBlockM, s.len_q - q0), w.queries[i], w.st.data());
+    }
   }
 
-  // Turns the score tile into probabilities against the running column maxima, and rescales the
-  // output columns and sums for the new maxima.
-  void online_softmax(int64_t n, ForwardScratch& w) const {
-    float* st = w.st.data();
+  // Turns the score tile into probabilities against the running column maxima, rescales the
+  // sums for the new maxima and leaves the output's factor in `alpha`.
+  void online_softmax(int64_t n, float* st, QueryState& w) const {
     for (int64_t c = 0; c < kColumnVecs; ++c) {
       const int64_t col = c * kVecWidth;
       const Vec m_old = load(w.m.data() + col);
@@ -118,15 +145,12 @@ class Forward {
       const Vec alpha = exp2(m_old - m_use);
       store(w.m.data() + col, m_new);
       store(w.l.data() + col, load(w.l.data() + col) * alpha + sum);
-      for (int64_t d = 0; d < d_; ++d) {
-        float* o = w.ot.data() + d * kBlockM + col;
-        store(o, load(o) * alpha);
-      }
+      store(w.alpha.data() + col, alpha);
     }
   }
 
-  void finish(int64_t b, int64_t h, const Sequence& s, int64_t q0, int64_t rows, ForwardScratch& w) const {
-    std::vector<float>& o = w.st;  // the score tile is free now: one output row at a time
+  // Writes the tile's rows; `o` is scratch for one output row.
+  void finish(int64_t b, int64_t h, const Sequence& s, int64_t q0, int64_t rows, const QueryState& w, float* o) const {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = s.row_q + q0 + r;
       const float l = w.l[r];
@@ -143,7 +167,7 @@ class Forward {
         continue;
       }
       *lse_out = lse;
-      store_output(o.data(), b, row, h);
+      store_output(o, b, row, h);
     }
   }
 
@@ -170,7 +194,7 @@ class Forward {
   const AttentionArgs& a_;
   const int64_t d_;
   const ScoreTransform t_;
-  HeadMajor k_, v_;
+  KeyTiles k_, v_;
 };
 
 }  // namespace

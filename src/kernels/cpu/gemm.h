@@ -25,16 +25,22 @@ struct GemmOperands {
   int64_t ldb;
   float* c;        // C(m, n) = c[m * ldc + n]
   int64_t ldc;
+  // With kAccumulate: C(m, n) = c_scale[n] * C(m, n) + (A B)(m, n) when set (the online softmax's
+  // rescale of the running output, folded into the load of C).
+  const float* c_scale = nullptr;
 };
 
 template <int MR, int NV, bool kAccumulate>
 inline void gemm_micro(int64_t K, const float* a, int64_t a_rs, int64_t a_cs, const float* b, int64_t ldb,
-                       float* c, int64_t ldc) {
+                       float* c, int64_t ldc, const float* c_scale) {
   Vec acc[MR][NV];
+  Vec scale[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) scale[v] = kAccumulate && c_scale ? load(c_scale + v * kVecWidth) : splat(1.0f);
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[m][v] = kAccumulate ? load(c + m * ldc + v * kVecWidth) : Vec{};
+    for (int v = 0; v < NV; ++v) acc[m][v] = kAccumulate ? load(c + m * ldc + v * kVecWidth) * scale[v] : Vec{};
   for (int64_t k = 0; k < K; ++k) {
     Vec bv[NV];
 #pragma GCC unroll 4
@@ -59,7 +65,7 @@ inline void gemm_rows_tail(int64_t rows, int64_t K, const GemmOperands& o, int64
   if constexpr (MR > 0) {
     if (rows == MR)
       return gemm_micro<MR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
-                                             o.c + m0 * o.ldc + n0, o.ldc);
+                                             o.c + m0 * o.ldc + n0, o.ldc, o.c_scale ? o.c_scale + n0 : nullptr);
     gemm_rows_tail<NV, kAccumulate, MR - 1>(rows, K, o, m0, n0);
   }
 }
@@ -69,7 +75,7 @@ inline void gemm_strip(int64_t M, int64_t K, const GemmOperands& o, int64_t n0) 
   int64_t m0 = 0;
   for (; m0 + kMR <= M; m0 += kMR)
     gemm_micro<kMR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
-                                     o.c + m0 * o.ldc + n0, o.ldc);
+                                     o.c + m0 * o.ldc + n0, o.ldc, o.c_scale ? o.c_scale + n0 : nullptr);
   if (m0 < M) gemm_rows_tail<NV, kAccumulate>(M - m0, K, o, m0, n0);
 }
 
@@ -95,7 +101,7 @@ inline void gemm_panels(int64_t M, int64_t N, int64_t K, const float* a, int64_t
                         const float* b_panels, int64_t depth, float* c, int64_t ldc) {
   for (int64_t n0 = 0; n0 < N; n0 += kNR) {
     const int64_t width = N - n0 < kNR ? N - n0 : kNR;
-    gemm<kAccumulate>(M, width, K, {a, a_rs, a_cs, b_panels + n0 * depth, width, c + n0, ldc});
+    gemm<kAccumulate>(M, width, K, {a, a_rs, a_cs, b_panels + n0 * depth, width, c + n0, ldc, nullptr});
   }
 }
 

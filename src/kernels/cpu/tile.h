@@ -71,7 +71,9 @@ inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_l
 
 // Large per-call buffers, kept by the calling thread for its next call: repeated calls then reuse
 // warm pages instead of faulting in fresh ones. Contents are not preserved between uses.
-enum class Buffer { kKeys, kValues, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kCount };
+enum class Buffer {
+  kKeys, kKeysT, kValues, kValuesT, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kCount
+};
 
 inline float* workspace(Buffer slot, size_t n) {
   struct Cached {
@@ -88,37 +90,63 @@ inline float* workspace(Buffer slot, size_t n) {
   return c.data.get();
 }
 
-// One operand (k or v) copied to fp32, head-major: for each sequence slot and head, its rows are
-// contiguous and zero-padded to `padded` columns. In the (S, H, D) layout rows of one head are
-// H * D elements apart, often 4 KiB or more, so every row sits on its own page; gathering a tile
-// of them for every query tile is bound by TLB misses. One pass up front reads each page once.
-class HeadMajor {
+// Keys per tile, in forward and backward alike.
+inline constexpr int64_t kBlockN = 128;
+// Padding of the leading dimension of packed A operands: a stride of a multiple of 512 bytes
+// would map a tile's lines onto a few L1 sets.
+inline constexpr int64_t kSkew = kVecWidth;
+
+// One operand (k or v) copied to fp32 in tiles of kBlockN keys, per head, each tile as rows
+// (key x head_dim) or columns (head_dim x key), so that each tile product reads its A operand with
+// unit row stride: six broadcasts from one cache line rather than six. Tiles are numbered per
+// head and start at every sequence's first key: sequence b's tile t is index(b, h, t).
+//
+// In the (S, H, D) layout rows of one head are H * D elements apart, often 4 KiB or more, so every
+// row sits on its own page; gathering a tile of them for every query tile would be bound by TLB
+// misses. One pass up front reads each page once.
+class KeyTiles {
  public:
+  enum class Layout { kRows, kColumns };
+
   template <typename T>
-  void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, int64_t rows, int64_t heads, int64_t padded,
-            Buffer slot) {
-    slots_ = a.cu_seqlens_q ? 1 : a.batch;
-    rows_ = rows;
-    heads_ = heads;
-    padded_ = padded;
-    data_ = workspace(slot, static_cast<size_t>(slots_ * heads * rows * padded));
-    core::parallel_for(slots_ * heads, a.num_threads, [&](int64_t i, int) {
-      const int64_t b = i / heads, h = i % heads;
-      const T* src = row_ptr<const T>(o, b, 0, h);
-      float* dst = data_ + i * rows * padded;
-      for (int64_t r = 0; r < rows; ++r) convert_row(src + r * o.row_stride, a.head_dim, padded, dst + r * padded);
+  void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, Layout layout, Buffer slot) {
+    d_ = a.head_dim;
+    layout_ = layout;
+    ld_ = (layout == Layout::kRows ? d_ : kBlockN) + kSkew;
+    tile_size_ = (layout == Layout::kRows ? kBlockN : d_) * ld_;
+    first_tile_.assign(static_cast<size_t>(a.batch + 1), 0);
+    for (int64_t b = 0; b < a.batch; ++b)
+      first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_k + kBlockN - 1) / kBlockN;
+    data_ = workspace(slot, static_cast<size_t>(a.heads_kv * tiles() * tile_size_));
+    core::parallel_for(a.batch * a.heads_kv, a.num_threads, [&](int64_t i, int) {
+      const int64_t b = i / a.heads_kv, h = i % a.heads_kv;
+      const Sequence s = sequence(a, b);
+      for (int64_t t = 0; t * kBlockN < s.len_k; ++t) {
+        const T* src = row_ptr<const T>(o, b, s.row_k + t * kBlockN, h);
+        const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
+        float* dst = data_ + index(b, h, t) * tile_size_;
+        if (layout == Layout::kRows) {
+          for (int64_t r = 0; r < n; ++r) convert_row(src + r * o.row_stride, d_, d_, dst + r * ld_);
+        } else {
+          for (int64_t d = 0; d < d_; ++d)
+            for (int64_t r = 0; r < n; ++r) dst[d * ld_ + r] = to_float(src[r * o.row_stride + d]);
+        }
+      }
     });
   }
 
-  // Row `row` (counted from the start of the tensor) of head h of sequence slot b.
-  const float* row(int64_t b, int64_t h, int64_t row) const {
-    return data_ + ((b * heads_ + h) * rows_ + row) * padded_;
-  }
-  int64_t ld() const { return padded_; }
+  int64_t tiles() const { return first_tile_.back(); }
+  int64_t index(int64_t b, int64_t h, int64_t t) const { return h * tiles() + first_tile_[b] + t; }
+  // Tile g: element (key i, dim d) at tile(g)[i * key_step() + d * dim_step()].
+  const float* tile(int64_t g) const { return data_ + g * tile_size_; }
+  int64_t key_step() const { return layout_ == Layout::kRows ? ld_ : 1; }
+  int64_t dim_step() const { return layout_ == Layout::kRows ? 1 : ld_; }
 
  private:
   float* data_ = nullptr;
-  int64_t slots_ = 0, rows_ = 0, heads_ = 0, padded_ = 0;
+  int64_t d_ = 0, ld_ = 0, tile_size_ = 0;
+  Layout layout_ = Layout::kRows;
+  std::vector<int64_t> first_tile_;
 };
 
 // Calls fn(row) for every row of a packed tensor of `rows` rows that lies outside
@@ -129,9 +157,6 @@ inline void for_unused_rows(const AttentionArgs& a, const int32_t* cu_seqlens, i
   for (int64_t r = 0; r < rows; ++r)
     if (r < cu_seqlens[0] || r >= cu_seqlens[a.batch]) fn(r);
 }
-
-// The sequence slot of sequence b in a head-major copy: packed batches have one slot.
-inline int64_t slot(const AttentionArgs& a, int64_t b) { return a.cu_seqlens_q ? 0 : b; }
 
 // dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero.
 template <typename T>
