@@ -75,14 +75,10 @@ def attention_forward(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse). See the module docstring for layouts."""
+    # The library writes every row, also those of a packed tensor that belong to no sequence.
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if packed:
-        # Tokens past cu_seqlens[-1] belong to no sequence; they read as 0 and -inf, not garbage.
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.full(_lse_shape(q, packed), float("-inf"), dtype=torch.float32, device=q.device)
-    else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
     _C.attention_forward(
         _detach(q), _detach(k), _detach(v), out, lse,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
@@ -123,11 +119,10 @@ def attention_backward(
     deterministic: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv) for the forward with the same options, given its out and lse."""
-    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    alloc = torch.zeros if packed else torch.empty  # packed: tokens in no sequence get 0
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    # Overwritten whole, rows that belong to no sequence included (they get 0).
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     _C.attention_backward(
         _detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,

@@ -144,19 +144,25 @@ def attention(q, k, v, *, dtype: torch.dtype, softmax_scale: Optional[float] = N
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, dtype: torch.dtype, alibi=None, **options):
-    """Naive attention over a packed batch: (out (Tq, Hq, D), lse (Hq, Tq)). Rows past the last
-    sequence get out = 0 and lse = -inf."""
-    outs, lses = [], []
+    """Naive attention over a packed batch: (out (Tq, Hq, D), lse (Hq, Tq)). Rows outside
+    [cu_seqlens_q[0], cu_seqlens_q[-1]) belong to no sequence: out = 0 and lse = -inf."""
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    heads = q.shape[1]
+
+    def empty_rows(n):
+        return torch.zeros(n, *q.shape[1:], dtype=dtype), torch.full((heads, n), float("-inf"), dtype=dtype)
+
+    head_out, head_lse = empty_rows(cu_q[0])
+    outs, lses = [head_out], [head_lse]
     for b in range(len(cu_q) - 1):
         slopes = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
         out, lse = attention(q[None, cu_q[b]:cu_q[b + 1]], k[None, cu_k[b]:cu_k[b + 1]],
                              v[None, cu_k[b]:cu_k[b + 1]], dtype=dtype, alibi=slopes, **options)
         outs.append(out[0])
         lses.append(lse[0])
-    tail = q.shape[0] - cu_q[-1]
-    outs.append(torch.zeros(tail, *q.shape[1:], dtype=dtype))
-    lses.append(torch.full((q.shape[1], tail), float("-inf"), dtype=dtype))
+    tail_out, tail_lse = empty_rows(q.shape[0] - cu_q[-1])
+    outs.append(tail_out)
+    lses.append(tail_lse)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
 
 

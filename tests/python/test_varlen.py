@@ -72,12 +72,18 @@ def test_varlen_mqa_odd_head_dim():
                            reference_varlen(cu_q, cu_k, causal=True), [q, k, v], torch.bfloat16)
 
 
-def test_tokens_past_the_last_sequence():
-    """Rows of q past cu_seqlens_q[-1] belong to no sequence: out 0, lse -inf, gradient 0."""
-    lengths = [5, 7]
-    q, k, v, cu_q, cu_k = make_packed(lengths, lengths, 2, 2, 16, torch.float32, seed=4, tail=3)
-    compare_with_reference(run_varlen(cu_q, cu_k, lengths, lengths, causal=True),
-                           reference_varlen(cu_q, cu_k, causal=True), [q, k, v], torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_rows_outside_the_sequences(dtype):
+    """cu_seqlens need not start at 0 nor end at T: rows of q outside the sequences get out 0 and
+    lse -inf, rows of q, k and v outside get gradient 0."""
+    g = torch.Generator().manual_seed(4)
+    q = rounded_randn((15, 2, 16), dtype, g)
+    k = rounded_randn((14, 2, 16), dtype, g)
+    v = rounded_randn((14, 2, 16), dtype, g)
+    cu_q = torch.tensor([2, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([1, 5, 9], dtype=torch.int32)
+    compare_with_reference(run_varlen(cu_q, cu_k, [3, 7], [4, 4], causal=True),
+                           reference_varlen(cu_q, cu_k, causal=True), [q, k, v], dtype)
 
 
 def test_varlen_matches_padded():
