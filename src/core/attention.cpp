@@ -54,7 +54,7 @@ class Validator {
                     rule == DTypeRule::kSameOrFp32 ? " or float32" : "",
                     rule == DTypeRule::kAccumulate && p_.accumulate ? " (accumulate mode)" : "", ", got ",
                     dtype_name(t.dtype()));
-    RINGFLASH_CHECK(t.stride(-1) == 1, InvalidArgument, "[", op_, "] ", name,
+    RINGFLASH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, InvalidArgument, "[", op_, "] ", name,
                     " must be contiguous in its last dimension (head_dim), got stride ", t.stride(-1));
     for (const TensorView* in : {&q_, &k_, &v_})
       RINGFLASH_CHECK(t.data() != in->data() || t.numel() == 0, InvalidArgument, "[", op_, "] ", name,
@@ -259,6 +259,11 @@ class Validator {
   AttentionArgs args_;
 };
 
+void require_cuda(const char* op, const AttentionArgs& args) {
+  const std::string reason = cuda::unsupported_reason(args);
+  RINGFLASH_CHECK(reason.empty(), NotSupported, "[", op, "] ", reason);
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -269,7 +274,10 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   args.out = check.like(out, "out", q, Rule::kAccumulate);
   check.check_lse(lse, args);
   if (q.numel() == 0) return;
-  if (q.device().type == DeviceType::kCUDA) return cuda::attention_forward(args);
+  if (q.device().type == DeviceType::kCUDA) {
+    require_cuda("attention_forward", args);
+    return cuda::attention_forward(args);
+  }
   cpu::attention_forward(args);
 }
 
@@ -287,7 +295,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   args.dk = check.like(dk, "dk", k, Rule::kAccumulate);
   args.dv = check.like(dv, "dv", v, Rule::kAccumulate);
   if (q.numel() == 0 && k.numel() == 0) return;
-  if (q.device().type == DeviceType::kCUDA) return cuda::attention_backward(args);
+  if (q.device().type == DeviceType::kCUDA) {
+    require_cuda("attention_backward", args);
+    return cuda::attention_backward(args);
+  }
   cpu::attention_backward(args);
 }
 
@@ -296,9 +307,8 @@ Support attention_support(const TensorView& q, const TensorView& k, const Tensor
   Support s;
   s.backend = q.device().type == DeviceType::kCUDA ? "cuda" : "cpu";
   try {
-    Validator("attention_support", q, k, v, params).run();
-    if (q.device().type == DeviceType::kCUDA && !cuda::is_available())
-      throw NotSupported("[attention_support] " + cuda::describe());
+    const AttentionArgs args = Validator("attention_support", q, k, v, params).run();
+    if (q.device().type == DeviceType::kCUDA) require_cuda("attention_support", args);
     s.supported = true;
   } catch (const Error& e) {
     s.reason = e.what();

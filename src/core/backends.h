@@ -10,6 +10,9 @@
 namespace ringflash::cuda {
 bool is_available();
 std::string describe();  // one line for build_info()
+// Why the CUDA kernels cannot run this case, or "" when they can. The one function behind both
+// dispatch and attention_support().
+std::string unsupported_reason(const core::AttentionArgs& args);
 void attention_forward(const core::AttentionArgs& args);
 void attention_backward(const core::AttentionArgs& args);
 }  // namespace ringflash::cuda

@@ -23,7 +23,9 @@
 namespace ringflash::cpu {
 namespace {
 
-// Chunks per (sequence, K/V head) are chosen so that there are at least this many items per thread.
+// Chunks per (sequence, K/V head) are chosen so that there are at least this many items per core
+// of the machine. They depend on the machine, not on the call's thread count, so that results are
+// bit-identical whatever num_threads is.
 constexpr int64_t kItemsPerThread = 2;
 
 struct WorkItem {
@@ -174,7 +176,7 @@ class Backward {
     for (int64_t b = 0; b < a_.batch; ++b)
       longest_tiles = std::max(longest_tiles, (sequence(a_, b).len_k + kBlockN - 1) / kBlockN);
     const int64_t heads = std::max<int64_t>(1, a_.batch * a_.heads_kv);
-    const int64_t wanted = (kItemsPerThread * a_.num_threads + heads - 1) / heads;
+    const int64_t wanted = (kItemsPerThread * core::hardware_threads() + heads - 1) / heads;
     return std::max<int64_t>(1, std::min(wanted, longest_tiles));
   }
 

@@ -19,6 +19,11 @@ std::string describe() {
          std::to_string(CUDART_VERSION % 1000 / 10) + "), " + std::to_string(count) + " device(s)";
 }
 
+std::string unsupported_reason(const core::AttentionArgs&) {
+  if (!is_available()) return "no CUDA device is present";
+  return "the CUDA attention kernels are not implemented yet";
+}
+
 void attention_forward(const core::AttentionArgs&) {
   throw NotSupported("[attention_forward] the CUDA attention kernels are not implemented yet");
 }
