@@ -248,7 +248,7 @@ class Backward {
     const int64_t n = t.n;
     float* st = w.st.data();
     float* ds = w.ds.data();
-    gemm<false>(n, kBlockM, d_, {keys.kt, kt_.key_step(), kt_.dim_step(), t.q.qt, kBlockM, st, kBlockM});
+    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.kt, kt_.key_step(), kt_.dim_step(), t.q.qt, kBlockM, st, kBlockM});
     transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -256,7 +256,7 @@ class Backward {
         store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
     gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv.data(), dp_);
-    gemm<false>(n, kBlockM, d_, {keys.vt, vt_.key_step(), vt_.dim_step(), t.q.dot, kBlockM, ds, kBlockM});
+    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.vt, vt_.key_step(), vt_.dim_step(), t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -266,7 +266,7 @@ class Backward {
         store(ds + at, g);
       }
     gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk.data(), dp_);
-    gemm<true>(d_, kBlockM, n, {keys.k, k_.dim_step(), k_.key_step(), ds, kBlockM, dqt, kBlockM});
+    gemm<true, UnitStrideTile>(d_, kBlockM, n, {keys.k, k_.dim_step(), k_.key_step(), ds, kBlockM, dqt, kBlockM});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {

@@ -110,11 +110,11 @@ class Forward {
         if (kind == core::BlockKind::kEmpty) continue;
         QueryState& q = w.queries[i];
         // S^T (n x kBlockM) = K Q^T
-        gemm<false>(n, kBlockM, d_, {kt, k_.key_step(), k_.dim_step(), q.qt.data(), kBlockM, w.st.data(), kBlockM});
+        gemm<false, UnitStrideTile>(n, kBlockM, d_, {kt, k_.key_step(), k_.dim_step(), q.qt.data(), kBlockM, w.st.data(), kBlockM});
         transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
         online_softmax(n, w.st.data(), q);
         // O^T (d x kBlockM) = alpha O^T + V^T P^T
-        gemm<true>(d_, kBlockM, n,
+        gemm<true, UnitStrideTile>(d_, kBlockM, n,
                    {vt, v_.dim_step(), v_.key_step(), w.st.data(), kBlockM, q.ot.data(), kBlockM, q.alpha.data()});
       }
     }

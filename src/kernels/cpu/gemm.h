@@ -11,12 +11,25 @@
 
 namespace ringflash::cpu {
 
-// Register tile: kMR rows of C by kNV vectors. With 32 vector registers, 6 x 4 accumulators +
-// 4 B vectors + 1 broadcast fit, and the 6 row pointers of A fit in the general registers
-// (12 x 2 would spill them); 16-register ISAs take 4 x 2.
-inline constexpr int kMR = kVecRegisters >= 32 ? 6 : 4;
-inline constexpr int kNV = kVecRegisters >= 32 ? 4 : 2;
-inline constexpr int kNR = kNV * kVecWidth;
+// Register tiles: MR rows of C by NV vectors of columns, accumulated in registers.
+template <int MR, int NV, bool kUnitRowStride>
+struct RegisterTile {
+  static constexpr int kMR = MR;
+  static constexpr int kNV = NV;
+  static constexpr int kNR = NV * kVecWidth;
+  static constexpr bool kUnitA = kUnitRowStride;  // A's rows adjacent: a_rs == 1
+};
+
+// When A's rows are adjacent in memory (a_rs == 1), the MR broadcasts of a step come from one or
+// two cache lines through one pointer, so a tall tile is cheap: 12 x 2 accumulators + 2 B vectors
+// + 1 broadcast use 27 of AVX-512's 32 registers, and B's panel is only 2 vectors wide, which
+// keeps it in L1 beside everything else.
+using UnitStrideTile = RegisterTile<kVecRegisters >= 32 ? 12 : 6, 2, true>;
+// When A's rows are far apart, each needs its own pointer; 6 x 4 keeps the six pointers in the
+// general registers (12 x 2 would spill them).
+using StridedTile = RegisterTile<kVecRegisters >= 32 ? 6 : 4, kVecRegisters >= 32 ? 4 : 2, false>;
+// Column panels (gemm_panels) and query tiles are sized by the wider tile.
+inline constexpr int kNR = StridedTile::kNR;
 
 struct GemmOperands {
   const float* a;  // A(m, k) = a[m * a_rs + k * a_cs]
@@ -30,7 +43,7 @@ struct GemmOperands {
   const float* c_scale = nullptr;
 };
 
-template <int MR, int NV, bool kAccumulate>
+template <int MR, int NV, bool kAccumulate, bool kUnitA>
 inline void gemm_micro(int64_t K, const float* a, int64_t a_rs, int64_t a_cs, const float* b, int64_t ldb,
                        float* c, int64_t ldc, const float* c_scale) {
   Vec acc[MR][NV];
@@ -48,7 +61,7 @@ inline void gemm_micro(int64_t K, const float* a, int64_t a_rs, int64_t a_cs, co
     const float* ak = a + k * a_cs;
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const Vec am = splat(ak[m * a_rs]);
+      const Vec am = splat(ak[kUnitA ? m : m * a_rs]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[m][v] += am * bv[v];
     }
@@ -59,38 +72,41 @@ inline void gemm_micro(int64_t K, const float* a, int64_t a_rs, int64_t a_cs, co
     for (int v = 0; v < NV; ++v) store(c + m * ldc + v * kVecWidth, acc[m][v]);
 }
 
-// Rows [0, rows) of a column strip of NV vectors, rows < kMR handled by a smaller tile.
-template <int NV, bool kAccumulate, int MR = kMR - 1>
+// Rows [0, rows) of a column strip of NV vectors, rows < MR handled by a smaller tile.
+template <int NV, bool kAccumulate, bool kUnitA, int MR>
 inline void gemm_rows_tail(int64_t rows, int64_t K, const GemmOperands& o, int64_t m0, int64_t n0) {
   if constexpr (MR > 0) {
     if (rows == MR)
-      return gemm_micro<MR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
+      return gemm_micro<MR, NV, kAccumulate, kUnitA>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
                                              o.c + m0 * o.ldc + n0, o.ldc, o.c_scale ? o.c_scale + n0 : nullptr);
-    gemm_rows_tail<NV, kAccumulate, MR - 1>(rows, K, o, m0, n0);
+    gemm_rows_tail<NV, kAccumulate, kUnitA, MR - 1>(rows, K, o, m0, n0);
   }
 }
 
-template <int NV, bool kAccumulate>
+template <int MR, int NV, bool kAccumulate, bool kUnitA>
 inline void gemm_strip(int64_t M, int64_t K, const GemmOperands& o, int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + kMR <= M; m0 += kMR)
-    gemm_micro<kMR, NV, kAccumulate>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
-                                     o.c + m0 * o.ldc + n0, o.ldc, o.c_scale ? o.c_scale + n0 : nullptr);
-  if (m0 < M) gemm_rows_tail<NV, kAccumulate>(M - m0, K, o, m0, n0);
+  for (; m0 + MR <= M; m0 += MR)
+    gemm_micro<MR, NV, kAccumulate, kUnitA>(K, o.a + m0 * o.a_rs, o.a_rs, o.a_cs, o.b + n0, o.ldb,
+                                    o.c + m0 * o.ldc + n0, o.ldc, o.c_scale ? o.c_scale + n0 : nullptr);
+  if (m0 < M) gemm_rows_tail<NV, kAccumulate, kUnitA, MR - 1>(M - m0, K, o, m0, n0);
 }
 
-// C (M x N) = A (M x K) B (K x N), or C += A B when kAccumulate. N must be a multiple of
-// kVecWidth (callers pad their panels with zeros). K may be 0.
-template <bool kAccumulate>
-inline void gemm(int64_t M, int64_t N, int64_t K, const GemmOperands& o) {
-  int64_t n0 = 0;
-  for (; n0 + kNR <= N; n0 += kNR) gemm_strip<kNV, kAccumulate>(M, K, o, n0);
-  switch ((N - n0) / kVecWidth) {
-    case 3: return gemm_strip<3, kAccumulate>(M, K, o, n0);
-    case 2: return gemm_strip<2, kAccumulate>(M, K, o, n0);
-    case 1: return gemm_strip<1, kAccumulate>(M, K, o, n0);
-    default: return;
+// Columns [n0, N) in strips of NV vectors, then one narrower strip for what is left.
+template <int MR, int NV, bool kAccumulate, bool kUnitA>
+inline void gemm_columns(int64_t M, int64_t N, int64_t K, const GemmOperands& o, int64_t n0) {
+  if constexpr (NV > 0) {
+    for (; n0 + NV * kVecWidth <= N; n0 += NV * kVecWidth) gemm_strip<MR, NV, kAccumulate, kUnitA>(M, K, o, n0);
+    if (n0 < N) gemm_columns<MR, NV - 1, kAccumulate, kUnitA>(M, N, K, o, n0);
   }
+}
+
+// C (M x N) = A (M x K) B (K x N), or C += A B when kAccumulate, in register tiles of `Tile`.
+// N must be a multiple of kVecWidth (callers pad their panels with zeros). K may be 0.
+// UnitStrideTile requires o.a_rs == 1.
+template <bool kAccumulate, typename Tile = StridedTile>
+inline void gemm(int64_t M, int64_t N, int64_t K, const GemmOperands& o) {
+  gemm_columns<Tile::kMR, Tile::kNV, kAccumulate, Tile::kUnitA>(M, N, K, o, 0);
 }
 
 // C (M x N) = A B, or C += A B, with B stored as column panels: panel p holds columns
