@@ -8,6 +8,10 @@
 #include <cstring>
 #include <utility>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ringflash::cpu {
 
 #if defined(__AVX512F__)
@@ -45,26 +49,39 @@ inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 inline constexpr float kInf = __builtin_inff();
 
-// 2^x. Exact 0 for x < -126 (including -inf), so masked scores contribute nothing.
-inline Vec exp2(Vec x) {
-  // Round to nearest with the 1.5 * 2^23 trick: n = round(x), f = x - n in [-0.5, 0.5].
-  constexpr float kRoundMagic = 12582912.0f;
-  const Vec xc = vmax(x, splat(-127.0f));
-  const Vec t = xc + kRoundMagic;
-  const Vec n = t - kRoundMagic;
-  const Vec f = xc - n;
-  // Taylor series of 2^f = e^(f ln2) to degree 6: relative error below 2e-7 on [-0.5, 0.5].
+// 2^f for f in [-0.5, 0.5]: Taylor series of e^(f ln2) to degree 6, relative error below 2e-7.
+inline Vec exp2_reduced(Vec f) {
   Vec p = splat(1.5403530e-4f);
   p = p * f + 1.3333558e-3f;
   p = p * f + 9.6181291e-3f;
   p = p * f + 5.5504109e-2f;
   p = p * f + 2.4022651e-1f;
   p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+
+// 2^x. Exact 0 for x < -126 (including -inf), so masked scores contribute nothing.
+inline Vec exp2(Vec x) {
+#if defined(__AVX512F__)
+  // n = round(x), f = x - n; vscalefps multiplies by 2^n and flushes to 0 below the normal
+  // range. Clamping first keeps -inf from turning f into NaN.
+  const __m512 xc = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec p = exp2_reduced(reinterpret_cast<Vec>(_mm512_sub_ps(xc, n)));
+  const Vec r = reinterpret_cast<Vec>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));
+  return x < -126.0f ? Vec{} : r;
+#else
+  // Round to nearest with the 1.5 * 2^23 trick: n = round(x), f = x - n in [-0.5, 0.5].
+  constexpr float kRoundMagic = 12582912.0f;
+  const Vec xc = vmax(x, splat(-127.0f));
+  const Vec t = xc + kRoundMagic;
+  const Vec n = t - kRoundMagic;
+  const Vec p = exp2_reduced(xc - n);
   // t's low mantissa bits hold n; adding n << 23 to p's bits multiplies p by 2^n.
   const VecI ni = __builtin_bit_cast(VecI, t) - __builtin_bit_cast(VecI, splat(kRoundMagic));
   const Vec r = __builtin_bit_cast(Vec, __builtin_bit_cast(VecI, p) + (ni << 23));
   return x < -126.0f ? Vec{} : r;
+#endif
 }
 
 // tanh(x) = 1 - 2 / (e^(2x) + 1), saturated where fp32 tanh is already +-1.
