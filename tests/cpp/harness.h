@@ -216,6 +216,24 @@ class Problem {
       for (int64_t i = 0; i < shape_.len_q(b); ++i) lse.set_element(lse_element(lse, b, h, i), x[e++]);
   }
 
+  // Per element of the concatenated per-sequence vectors: is it masked out entirely (a query row
+  // that sees no key, or a key that no query sees)? For (len, H, D) rows or (H, len) lse.
+  std::vector<bool> masked_rows(bool keys, int64_t heads, bool lse) const {
+    std::vector<bool> m;
+    for (const RefSequence& seq : seqs_) {
+      const RefVisibility vis = reference_visibility(ref_, seq);
+      const std::vector<bool>& live = keys ? vis.key_is_seen : vis.row_sees_keys;
+      const int64_t len = static_cast<int64_t>(live.size());
+      if (lse) {
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < len; ++i) m.push_back(!live[i]);
+      } else {
+        for (int64_t i = 0; i < len; ++i) m.insert(m.end(), heads * shape_.head_dim, !live[i]);
+      }
+    }
+    return m;
+  }
+
   // Global positions of the rows of sequence b.
   int64_t q_pos(int64_t b) const { return q_pos_[b]; }
   int64_t k_pos(int64_t b) const { return k_pos_[b]; }
@@ -328,9 +346,9 @@ inline std::vector<double> concat(const std::vector<std::vector<double>>& parts)
 }
 
 inline void expect_pass(const std::string& name, const std::vector<double>& got, const std::vector<double>& want,
-                        const std::vector<double>& naive, DType dtype, Quantity what,
-                        const std::function<std::string(size_t)>& where) {
-  const CheckResult r = check_pass_rule(name, got, want, naive, dtype, what, where);
+                        const std::vector<double>& naive, const std::vector<bool>& masked, DType dtype,
+                        Quantity what, const std::function<std::string(size_t)>& where) {
+  const CheckResult r = check_pass_rule(name, got, want, naive, masked, dtype, what, where);
   EXPECT_TRUE(r.ok) << r.message;
 }
 
@@ -385,6 +403,11 @@ bool call_library(const char* what, Fn&& fn) {
     return false;
   }
 }
+
+// reference_forward / reference_backward, compiled in reference_oracle.cpp.
+RefForward oracle_forward(const RefOptions& o, const RefSequence& s, const Precision& p = Precision::float64());
+RefGrads oracle_backward(const RefOptions& o, const RefSequence& s, const std::vector<double>& out,
+                         const std::vector<double>& lse, const Precision& p = Precision::float64());
 
 void run_forward_case(const KernelCase& c);
 void run_backward_case(const KernelCase& c);

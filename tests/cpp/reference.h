@@ -257,6 +257,26 @@ RefGrads backward(const RefOptions& o, const RefSequence& s, const std::vector<d
 
 }  // namespace detail
 
+// Which rows see at least one key, and which keys at least one row sees (the same for every head).
+// Outputs of the others are exactly zero (lse -inf), not merely small: a row that sees one key has
+// a mathematically zero dq too, but rounding may leave a residue there, and that is fine.
+struct RefVisibility {
+  std::vector<bool> row_sees_keys;  // (len_q)
+  std::vector<bool> key_is_seen;    // (len_k)
+};
+
+inline RefVisibility reference_visibility(const RefOptions& o, const RefSequence& s) {
+  RefVisibility v;
+  v.row_sees_keys.assign(s.len_q, false);
+  v.key_is_seen.assign(s.len_k, false);
+  for (int64_t i = 0; i < s.len_q; ++i) {
+    const detail::KeyRange r = detail::visible_keys(o, s, i);
+    v.row_sees_keys[i] = r.begin < r.end;
+    for (int64_t j = r.begin; j < r.end; ++j) v.key_is_seen[j] = true;
+  }
+  return v;
+}
+
 // Forward of one sequence.
 inline RefForward reference_forward(const RefOptions& o, const RefSequence& s,
                                     const Precision& p = Precision::float64()) {

@@ -3,9 +3,8 @@
 // A kernel result passes when its max-abs error against the float64 reference is at most
 //   2 x (max-abs error of naive attention computed in the test dtype) + the absolute term below.
 // The absolute term only matters where the naive computation happens to be (nearly) exact, e.g.
-// one visible key. Beyond that rule, masking must be exact: where the reference is exactly 0 (a
-// row that sees no key, a key no query sees) the result must be exactly 0, an lse of -inf must be
-// -inf, and nothing may be NaN. No gtest here, so the benchmarks can use it too.
+// one visible key. Beyond that rule, masking must be exact: a row that sees no key has out = 0,
+// lse = -inf and dq = 0 exactly, a key no row sees has dk = dv = 0 exactly, and nothing may be NaN. No gtest here, so the benchmarks can use it too.
 #pragma once
 
 #include <cmath>
@@ -51,15 +50,17 @@ struct CheckResult {
 };
 
 // Applies the pass rule to `got` against the float64 reference `want`, with `naive` the naive
-// in-dtype result. `where(e)` names flat element e, e.g. "(b=1, i=5, h=2, d=7)".
+// in-dtype result. Elements where `masked` is true (a row that sees no key, a key no row sees)
+// must equal `want` (0, or -inf for lse) exactly. `where(e)` names flat element e, e.g.
+// "(b=1, i=5, h=2, d=7)".
 inline CheckResult check_pass_rule(const std::string& name, const std::vector<double>& got,
                                    const std::vector<double>& want, const std::vector<double>& naive,
-                                   DType dtype, Quantity what,
+                                   const std::vector<bool>& masked, DType dtype, Quantity what,
                                    const std::function<std::string(size_t)>& where) {
   CheckResult r;
   std::ostringstream msg;
   msg.precision(9);
-  if (got.size() != want.size() || naive.size() != want.size()) {
+  if (got.size() != want.size() || naive.size() != want.size() || masked.size() != want.size()) {
     r.ok = false;
     msg << name << ": " << got.size() << " elements, reference has " << want.size();
     r.message = msg.str();
@@ -68,8 +69,7 @@ inline CheckResult check_pass_rule(const std::string& name, const std::vector<do
   size_t worst = 0, exact_fail = 0, exact_failures = 0;
   for (size_t e = 0; e < want.size(); ++e) {
     const double w = want[e], g = got[e];
-    const bool exact_case = std::isinf(w) || (w == 0.0 && what != Quantity::kLse);
-    if (exact_case) {
+    if (masked[e]) {
       if (!(g == w)) {
         if (exact_failures++ == 0) exact_fail = e;
       }
