@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -51,8 +53,8 @@ class Problem {
   explicit Problem(const KernelCase& c)
       : case_(c), shape_(case_.shape), opt_(case_.options), dtype_(c.dtype), rng_(seed(c.name())) {
     const int64_t n = shape_.num_seqs();
-    cu_q_.push_back(0);
-    cu_k_.push_back(0);
+    cu_q_.push_back(static_cast<int32_t>(shape_.unused_lead));
+    cu_k_.push_back(static_cast<int32_t>(shape_.unused_lead));
     for (int64_t b = 0; b < n; ++b) {
       cu_q_.push_back(cu_q_.back() + static_cast<int32_t>(shape_.len_q(b)));
       cu_k_.push_back(cu_k_.back() + static_cast<int32_t>(shape_.len_k(b)));
@@ -350,6 +352,9 @@ inline void expect_pass(const std::string& name, const std::vector<double>& got,
                         Quantity what, const std::function<std::string(size_t)>& where) {
   const CheckResult r = check_pass_rule(name, got, want, naive, masked, dtype, what, where);
   EXPECT_TRUE(r.ok) << r.message;
+  if (std::getenv("RINGFLASH_TEST_VERBOSE"))  // the margins, for tuning the tolerance table
+    std::printf("  %-16s error %.3g  naive %.3g  tolerance %.3g  (%.0f%% of it)\n", name.c_str(), r.error,
+                r.naive_error, r.tolerance, 100 * r.error / r.tolerance);
 }
 
 // Guards for the storages behind `views`, one per distinct storage.

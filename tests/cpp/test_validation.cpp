@@ -2,9 +2,12 @@
 // error of the right type whose message names the op and the argument. None reaches a kernel.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "expect_error.h"
@@ -505,6 +508,69 @@ TEST_F(Validation, OutputsMustNotAliasInputs) {
   EXPECT_RINGFLASH_ERROR(InvalidArgument,
                          backward_with(out.view(), dout.view(), lse.view(), dq.view(), dk.view(), vv()),
                          "dv must not alias q, k or v");
+}
+
+// attention.h: dq, dk and dv "may not alias any input", and out, dout and lse are inputs of the
+// backward as much as q, k and v are.
+TEST_F(Validation, GradientsMustNotAliasAnyInput) {
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         backward_with(out.view(), dout.view(), lse.view(), dout.view(), dk.view(), dv.view()),
+                         "[attention_backward]", "dq must not alias");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         backward_with(out.view(), dout.view(), lse.view(), out.view(), dk.view(), dv.view()),
+                         "[attention_backward]", "dq must not alias");
+}
+
+// Windows and offsets at the ends of int64 are either refused with an error that names them, or
+// give the result they mean; never signed overflow (undefined behaviour: UBSan aborts on it).
+TEST_F(Validation, ExtremeWindowsAndOffsets) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max(), kMin = std::numeric_limits<int64_t>::min();
+  std::mt19937 rng(5);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const HostTensor* t : {&q, &k, &v}) t->for_each_element([&](int64_t e) { t->set_element(e, normal(rng)); });
+  // Each extreme case, and the same mask in small numbers.
+  struct Extreme {
+    const char* argument;
+    void (*set)(AttentionParams&);
+    void (*same)(AttentionParams&);
+  };
+  const Extreme extremes[] = {
+      {"window_left", [](AttentionParams& a) { a.window_left = kMax; a.q_offset = -10; },
+       [](AttentionParams& a) { a.q_offset = -10; }},
+      {"window_right", [](AttentionParams& a) { a.window_right = kMax; a.q_offset = 10; },
+       [](AttentionParams& a) { a.q_offset = 10; }},
+      {"q_offset", [](AttentionParams& a) { a.q_offset = a.k_offset = kMax - 3; a.causal = true; },
+       [](AttentionParams& a) { a.q_offset = a.k_offset = 0; a.causal = true; }},
+      {"q_offset", [](AttentionParams& a) { a.q_offset = a.k_offset = kMin + 1; a.window_left = 2; },
+       [](AttentionParams& a) { a.q_offset = a.k_offset = 0; a.window_left = 2; }},
+      {"k_offset", [](AttentionParams& a) { a.q_offset = 0; a.k_offset = kMax - 100; a.window_left = 5; },
+       [](AttentionParams& a) { a.q_offset = 0; a.k_offset = 3 * kS; a.window_left = 5; }},  // keys far right
+  };
+  for (const Extreme& x : extremes) {
+    SCOPED_TRACE(x.argument);
+    AttentionParams extreme, plain;
+    x.set(extreme);
+    x.same(plain);
+    const HostTensor want = HostTensor::empty(DType::kFloat32, {kB, kS, kHq, kD});
+    const HostTensor want_lse = HostTensor::empty(DType::kFloat32, {kB, kHq, kS});
+    attention_forward(qv(), kv(), vv(), want.view(), want_lse.view(), plain);
+    try {
+      attention_forward(qv(), kv(), vv(), out.view(), lse.view(), extreme);
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(x.argument), std::string::npos) << e.what();
+      continue;
+    }
+    double out_error = 0, lse_error = 0;
+    want.for_each_element([&](int64_t e) {
+      out_error = std::max(out_error, std::fabs(out.at_element(e) - want.at_element(e)));
+    });
+    want_lse.for_each_element([&](int64_t e) {
+      const double a = lse.at_element(e), b = want_lse.at_element(e);
+      lse_error = std::max(lse_error, a == b ? 0.0 : std::fabs(a - b));
+    });
+    EXPECT_LE(out_error, 1e-6) << "out differs from the same mask in small numbers";
+    EXPECT_LE(lse_error, 1e-6) << "lse differs from the same mask in small numbers";
+  }
 }
 
 // A call that fails validation writes nothing.
