@@ -93,8 +93,8 @@ test-cpp: setup build
 test-python: setup
 	$(PYTHON) -m pytest -q tests/python
 
-# CUDA is off here: nvcc does not take the sanitizer flags, and ASan does not run under the CUDA
-# runtime anyway.
+# CUDA is off here: ASan's shadow memory and the CUDA runtime's address reservations do not mix,
+# and without a GPU the CUDA code would not run anyway (compute-sanitizer checks it on a GPU).
 test-asan: setup-system
 	cmake -S . -B $(ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DRINGFLASH_SANITIZE=address,undefined -DRINGFLASH_BUILD_PYTHON=OFF \
