@@ -99,7 +99,7 @@ test-asan: setup-system
 	cmake -S . -B $(ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DRINGFLASH_SANITIZE=address,undefined -DRINGFLASH_BUILD_PYTHON=OFF \
 	  -DRINGFLASH_BUILD_TESTS=ON -DRINGFLASH_BUILD_BENCH=OFF -DRINGFLASH_CUDA=OFF
-	echo '*' > $(ASAN_DIR)/.gitignore
+	@echo '*' > $(ASAN_DIR)/.gitignore
 	cmake --build $(ASAN_DIR)
 	ctest --test-dir $(ASAN_DIR) --output-on-failure --no-tests=error $(CTEST_ARGS)
 
