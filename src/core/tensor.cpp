@@ -35,15 +35,24 @@ std::string device_name(Device device) {
   return "cuda:" + std::to_string(device.index);
 }
 
-TensorView::TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape,
-                       std::initializer_list<int64_t> strides)
-    : TensorView(data, dtype, device, static_cast<int>(shape.size()), shape.begin(),
-                 strides.size() == 0 ? nullptr : strides.begin()) {
-  if (strides.size() != 0 && strides.size() != shape.size())
+namespace {
+
+// The strides to hand to the pointer constructor: null for "contiguous", checked against the
+// shape before anything reads them.
+const int64_t* checked_strides(std::initializer_list<int64_t> shape, std::initializer_list<int64_t> strides) {
+  if (strides.size() == 0) return nullptr;
+  if (strides.size() != shape.size())
     throw InvalidArgument("[TensorView] strides must have one entry per dimension, got " +
                           std::to_string(strides.size()) + " for " + std::to_string(shape.size()) +
                           " dimensions");
+  return strides.begin();
 }
+
+}  // namespace
+
+TensorView::TensorView(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape,
+                       std::initializer_list<int64_t> strides)
+    : TensorView(data, dtype, device, static_cast<int>(shape.size()), shape.begin(), checked_strides(shape, strides)) {}
 
 TensorView::TensorView(void* data, DType dtype, Device device, int ndim, const int64_t* shape,
                        const int64_t* strides)
