@@ -169,7 +169,7 @@ void run_backward_case(const KernelCase& c) {
   const QKV& in = pb.inputs();
   const int64_t hq = s.heads_q, hkv = s.heads_kv;
   // In accumulate mode the forward result is the fp32 one a ring merged, and gradients add up in fp32.
-  const DType out_dtype = o.accumulate ? DType::kFloat32 : c.dtype;
+  const DType out_dtype = o.accumulate || o.fp32_out ? DType::kFloat32 : c.dtype;
   const DType grad_dtype = o.accumulate ? DType::kFloat32 : c.dtype;
 
   // The kernel gets the exact forward result rounded to out's dtype (and lse to fp32); the naive

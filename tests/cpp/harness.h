@@ -58,8 +58,8 @@ class Problem {
     for (int64_t b = 0; b < n; ++b) {
       cu_q_.push_back(cu_q_.back() + static_cast<int32_t>(shape_.len_q(b)));
       cu_k_.push_back(cu_k_.back() + static_cast<int32_t>(shape_.len_k(b)));
-      q_pos_.push_back(default_q_pos(b));
-      k_pos_.push_back(default_k_pos(b));
+      q_pos_.push_back(position_q(b));
+      k_pos_.push_back(position_k(b));
     }
     q_seq_.assign(q_pos_.begin(), q_pos_.end());
     k_seq_.assign(k_pos_.begin(), k_pos_.end());
@@ -271,15 +271,15 @@ class Problem {
     return h;
   }
 
-  int64_t default_q_pos(int64_t b) const {
+  int64_t position_q(int64_t b) const {
     const int64_t bottom_right = shape_.len_k(b) - shape_.len_q(b);
     switch (opt_.positions) {
       case Positions::kScalar: return opt_.q_offset;
-      case Positions::kPerSequence: return default_k_pos(b) + bottom_right + kSeqQueryShift[b % 3];
+      case Positions::kPerSequence: return position_k(b) + bottom_right + kSeqQueryShift[b % 3];
       default: return bottom_right;
     }
   }
-  int64_t default_k_pos(int64_t b) const {
+  int64_t position_k(int64_t b) const {
     switch (opt_.positions) {
       case Positions::kScalar: return opt_.k_offset;
       case Positions::kPerSequence: return kSeqKeyStride * b + kSeqKeyBase;
