@@ -153,9 +153,9 @@ class Backward {
         t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kRows, Buffer::kKeys);
-    kt_.pack<T>(a_, a_.k, KeyTiles::Layout::kColumns, Buffer::kKeysT);
-    vt_.pack<T>(a_, a_.v, KeyTiles::Layout::kColumns, Buffer::kValuesT);
+    k_by_dim_.pack<T>(a_, a_.k, KeyTiles::Layout::kByDim, Buffer::kKeys);
+    k_by_key_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysT);
+    v_by_key_.pack<T>(a_, a_.v, KeyTiles::Layout::kByKey, Buffer::kValuesT);
     queries_.pack<T>(a_, t_.q_scale, dp_);
     chunks_ = chunk_count();
     const std::vector<WorkItem> items = make_items();
@@ -208,8 +208,8 @@ class Backward {
     for (int64_t j0 = item.k_begin; j0 < item.k_end; j0 += kBlockN) {
       const int64_t n = std::min(kBlockN, item.k_end - j0);
       const int64_t pk0 = s.pos_k + j0;
-      const int64_t key_tile = k_.index(b, hk, j0 / kBlockN);
-      const KeyTile keys{k_.tile(key_tile), kt_.tile(key_tile), vt_.tile(key_tile)};
+      const int64_t key_tile = k_by_key_.index(b, hk, j0 / kBlockN);
+      const KeyTile keys{k_by_key_.operand(key_tile), v_by_key_.operand(key_tile), k_by_dim_.operand(key_tile)};
       std::fill(w.dk.begin(), w.dk.end(), 0.0f);
       std::fill(w.dv.begin(), w.dv.end(), 0.0f);
       int64_t first, last;
@@ -231,9 +231,9 @@ class Backward {
     }
   }
 
-  // One key tile: K as rows (for dQ^T += K^T dS^T), K and V as columns (for S^T and dP^T).
+  // One key tile as the A operands of S^T = K Q^T, dP^T = V dO^T and dQ^T += K^T dS^T.
   struct KeyTile {
-    const float *k, *kt, *vt;
+    PanelOperand k, v, k_transposed;
   };
 
   struct Step {
@@ -248,7 +248,7 @@ class Backward {
     const int64_t n = t.n;
     float* st = w.st.data();
     float* ds = w.ds.data();
-    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.kt, kt_.key_step(), kt_.dim_step(), t.q.qt, kBlockM, st, kBlockM});
+    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.k.a, keys.k.a_rs, keys.k.a_cs, t.q.qt, kBlockM, st, kBlockM});
     transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -256,7 +256,7 @@ class Backward {
         store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
     gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv.data(), dp_);
-    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.vt, vt_.key_step(), vt_.dim_step(), t.q.dot, kBlockM, ds, kBlockM});
+    gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.v.a, keys.v.a_rs, keys.v.a_cs, t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
@@ -266,7 +266,8 @@ class Backward {
         store(ds + at, g);
       }
     gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk.data(), dp_);
-    gemm<true, UnitStrideTile>(d_, kBlockM, n, {keys.k, k_.dim_step(), k_.key_step(), ds, kBlockM, dqt, kBlockM});
+    const PanelOperand& kd = keys.k_transposed;
+    gemm<true, UnitStrideTile>(d_, kBlockM, n, {kd.a, kd.a_rs, kd.a_cs, ds, kBlockM, dqt, kBlockM});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
@@ -327,7 +328,7 @@ class Backward {
   const ScoreTransform t_;
   int64_t chunks_ = 1;
   float* dq_acc_ = nullptr;
-  KeyTiles k_, kt_, vt_;
+  KeyTiles k_by_key_, v_by_key_, k_by_dim_;
   QueryTiles queries_;
 };
 

@@ -50,8 +50,8 @@ class Forward {
   explicit Forward(const AttentionArgs& a) : a_(a), d_(a.head_dim), t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kColumns, Buffer::kKeysT);
-    v_.pack<T>(a_, a_.v, KeyTiles::Layout::kRows, Buffer::kValues);
+    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysT);
+    v_.pack<T>(a_, a_.v, KeyTiles::Layout::kByDim, Buffer::kValues);
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
     std::vector<ForwardScratch> scratch(threads, ForwardScratch(d_));
@@ -101,8 +101,8 @@ class Forward {
     const int64_t t_first = (first - s.pos_k) / kBlockN, t_last = (last - s.pos_k + kBlockN - 1) / kBlockN;
     for (int64_t t = t_first; t < t_last; ++t) {
       const int64_t pk0 = s.pos_k + t * kBlockN, n = std::min(kBlockN, s.len_k - t * kBlockN);
-      const float* kt = k_.tile(k_.index(b, hk, t));
-      const float* vt = v_.tile(v_.index(b, hk, t));
+      const PanelOperand kt = k_.operand(k_.index(b, hk, t));
+      const PanelOperand vt = v_.operand(v_.index(b, hk, t));
       for (int64_t i = 0; i < item.tiles; ++i) {
         const int64_t pq0 = s.pos_q + item.q0 + i * kBlockM;
         const int64_t rows = std::min(kBlockM, s.len_q - (item.q0 + i * kBlockM));
@@ -110,12 +110,12 @@ class Forward {
         if (kind == core::BlockKind::kEmpty) continue;
         QueryState& q = w.queries[i];
         // S^T (n x kBlockM) = K Q^T
-        gemm<false, UnitStrideTile>(n, kBlockM, d_, {kt, k_.key_step(), k_.dim_step(), q.qt.data(), kBlockM, w.st.data(), kBlockM});
+        gemm<false, UnitStrideTile>(n, kBlockM, d_, {kt.a, kt.a_rs, kt.a_cs, q.qt.data(), kBlockM, w.st.data(), kBlockM});
         transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
         online_softmax(n, w.st.data(), q);
         // O^T (d x kBlockM) = alpha O^T + V^T P^T
         gemm<true, UnitStrideTile>(d_, kBlockM, n,
-                   {vt, v_.dim_step(), v_.key_step(), w.st.data(), kBlockM, q.ot.data(), kBlockM, q.alpha.data()});
+                   {vt.a, vt.a_rs, vt.a_cs, w.st.data(), kBlockM, q.ot.data(), kBlockM, q.alpha.data()});
       }
     }
     for (int64_t i = 0; i < item.tiles; ++i) {

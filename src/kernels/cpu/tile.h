@@ -92,28 +92,35 @@ inline float* workspace(Buffer slot, size_t n) {
 
 // Keys per tile, in forward and backward alike.
 inline constexpr int64_t kBlockN = 128;
-// Padding of the leading dimension of packed A operands: a stride of a multiple of 512 bytes
-// would map a tile's lines onto a few L1 sets.
-inline constexpr int64_t kSkew = kVecWidth;
+// Rows of A per register tile of the products that read packed K and V.
+inline constexpr int64_t kPanelRows = UnitStrideTile::kMR;
 
-// One operand (k or v) copied to fp32 in tiles of kBlockN keys, per head, each tile as rows
-// (key x head_dim) or columns (head_dim x key), so that each tile product reads its A operand with
-// unit row stride: six broadcasts from one cache line rather than six. Tiles are numbered per
-// head and start at every sequence's first key: sequence b's tile t is index(b, h, t).
-//
-// In the (S, H, D) layout rows of one head are H * D elements apart, often 4 KiB or more, so every
-// row sits on its own page; gathering a tile of them for every query tile would be bound by TLB
-// misses. One pass up front reads each page once.
+// The A operand of a tile product, laid out for gemm<..., UnitStrideTile>.
+struct PanelOperand {
+  const float* a;
+  int64_t a_rs, a_cs;
+};
+
+// One operand (k or v) copied to fp32 in tiles of kBlockN keys, per head, each tile cut into the
+// panels a register tile reads as its A operand: kPanelRows rows of A side by side for every step
+// of the product, so each register tile's A is one sequential stream that the hardware
+// prefetchers follow from L3. Two panel shapes, by which index is A's row:
+//   kByKey: A(key, dim), for S^T = K Q^T and dP^T = V dO^T
+//   kByDim: A(dim, key), for O^T += V^T P^T and dQ^T += K^T dS^T
+// Tiles are numbered per head and start at every sequence's first key: sequence b's tile t is
+// index(b, h, t). (Gathering tiles straight from the (S, H, D) input instead would touch one page
+// per row, H * D elements apart, for every query tile; one pass up front reads each page once.)
 class KeyTiles {
  public:
-  enum class Layout { kRows, kColumns };
+  enum class Layout { kByKey, kByDim };
 
   template <typename T>
   void pack(const AttentionArgs& a, const AttentionArgs::Operand& o, Layout layout, Buffer slot) {
     d_ = a.head_dim;
     layout_ = layout;
-    ld_ = (layout == Layout::kRows ? d_ : kBlockN) + kSkew;
-    tile_size_ = (layout == Layout::kRows ? kBlockN : d_) * ld_;
+    depth_ = layout == Layout::kByKey ? d_ : kBlockN;  // steps of the product per panel
+    const int64_t rows = layout == Layout::kByKey ? kBlockN : d_;
+    tile_size_ = round_up(rows, kPanelRows) * depth_;
     first_tile_.assign(static_cast<size_t>(a.batch + 1), 0);
     for (int64_t b = 0; b < a.batch; ++b)
       first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_k + kBlockN - 1) / kBlockN;
@@ -125,11 +132,9 @@ class KeyTiles {
         const T* src = row_ptr<const T>(o, b, s.row_k + t * kBlockN, h);
         const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
         float* dst = data_ + index(b, h, t) * tile_size_;
-        if (layout == Layout::kRows) {
-          for (int64_t r = 0; r < n; ++r) convert_row(src + r * o.row_stride, d_, d_, dst + r * ld_);
-        } else {
-          for (int64_t d = 0; d < d_; ++d)
-            for (int64_t r = 0; r < n; ++r) dst[d * ld_ + r] = to_float(src[r * o.row_stride + d]);
+        for (int64_t key = 0; key < n; ++key) {
+          const T* row = src + key * o.row_stride;
+          for (int64_t d = 0; d < d_; ++d) dst[offset(key, d)] = to_float(row[d]);
         }
       }
     });
@@ -137,15 +142,24 @@ class KeyTiles {
 
   int64_t tiles() const { return first_tile_.back(); }
   int64_t index(int64_t b, int64_t h, int64_t t) const { return h * tiles() + first_tile_[b] + t; }
-  // Tile g: element (key i, dim d) at tile(g)[i * key_step() + d * dim_step()].
-  const float* tile(int64_t g) const { return data_ + g * tile_size_; }
-  int64_t key_step() const { return layout_ == Layout::kRows ? ld_ : 1; }
-  int64_t dim_step() const { return layout_ == Layout::kRows ? 1 : ld_; }
+
+  // Tile g as the A operand of a product (rows of A are keys for kByKey, dims for kByDim).
+  PanelOperand operand(int64_t g) const {
+    // A register tile starting at row m0 (a multiple of kPanelRows) begins at m0 * depth_; within
+    // it, row m of step k is at k * kPanelRows + m.
+    return {data_ + g * tile_size_, depth_, kPanelRows};
+  }
 
  private:
+  int64_t offset(int64_t key, int64_t d) const {
+    const int64_t row = layout_ == Layout::kByKey ? key : d;
+    const int64_t step = layout_ == Layout::kByKey ? d : key;
+    return (row / kPanelRows) * kPanelRows * depth_ + step * kPanelRows + row % kPanelRows;
+  }
+
   float* data_ = nullptr;
-  int64_t d_ = 0, ld_ = 0, tile_size_ = 0;
-  Layout layout_ = Layout::kRows;
+  int64_t d_ = 0, depth_ = 0, tile_size_ = 0;
+  Layout layout_ = Layout::kByKey;
   std::vector<int64_t> first_tile_;
 };
 
