@@ -21,7 +21,7 @@ namespace {
 // kBlockN = 128 keys x 64 queries of fp32 scores is 32 KiB: the B panel of O^T += V^T P^T.
 // A work item takes up to this many consecutive query tiles of one head, so each key tile it
 // loads serves them all while it is in L2.
-constexpr int64_t kMaxGroup = 4;
+constexpr int64_t kMaxGroup = 8;
 // Fewer tiles per item when that is what it takes to give each thread this many items.
 constexpr int64_t kItemsPerThread = 4;
 
