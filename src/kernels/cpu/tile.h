@@ -132,9 +132,23 @@ class KeyTiles {
         const T* src = row_ptr<const T>(o, b, s.row_k + t * kBlockN, h);
         const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
         float* dst = data_ + index(b, h, t) * tile_size_;
-        for (int64_t key = 0; key < n; ++key) {
-          const T* row = src + key * o.row_stride;
-          for (int64_t d = 0; d < d_; ++d) dst[offset(key, d)] = to_float(row[d]);
+        if (layout == Layout::kByKey) {
+          // Panel p holds keys [p * kPanelRows, ...): element (key r of the panel, dim d) at d * kPanelRows + r.
+          for (int64_t key = 0; key < n; ++key) {
+            const T* row = src + key * o.row_stride;
+            float* out = dst + (key / kPanelRows) * kPanelRows * depth_ + key % kPanelRows;
+            for (int64_t d = 0; d < d_; ++d) out[d * kPanelRows] = to_float(row[d]);
+          }
+        } else {
+          // Panel p holds dims [p * kPanelRows, ...): element (key, dim r of the panel) at key * kPanelRows + r.
+          for (int64_t key = 0; key < n; ++key) {
+            const T* row = src + key * o.row_stride;
+            for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
+              float* out = dst + d0 * depth_ + key * kPanelRows;
+              const int64_t width = std::min(kPanelRows, d_ - d0);
+              for (int64_t r = 0; r < width; ++r) out[r] = to_float(row[d0 + r]);
+            }
+          }
         }
       }
     });
@@ -151,12 +165,6 @@ class KeyTiles {
   }
 
  private:
-  int64_t offset(int64_t key, int64_t d) const {
-    const int64_t row = layout_ == Layout::kByKey ? key : d;
-    const int64_t step = layout_ == Layout::kByKey ? d : key;
-    return (row / kPanelRows) * kPanelRows * depth_ + step * kPanelRows + row % kPanelRows;
-  }
-
   float* data_ = nullptr;
   int64_t d_ = 0, depth_ = 0, tile_size_ = 0;
   Layout layout_ = Layout::kByKey;
