@@ -125,32 +125,16 @@ class KeyTiles {
     for (int64_t b = 0; b < a.batch; ++b)
       first_tile_[b + 1] = first_tile_[b] + (sequence(a, b).len_k + kBlockN - 1) / kBlockN;
     data_ = workspace(slot, static_cast<size_t>(a.heads_kv * tiles() * tile_size_));
-    core::parallel_for(a.batch * a.heads_kv, a.num_threads, [&](int64_t i, int) {
-      const int64_t b = i / a.heads_kv, h = i % a.heads_kv;
+    // One item per tile of every sequence, all heads at once: the heads of a key row are adjacent
+    // in memory, so each row's page is read once.
+    core::parallel_for(tiles(), a.num_threads, [&](int64_t g, int) {
+      const int64_t b = std::upper_bound(first_tile_.begin(), first_tile_.end(), g) - first_tile_.begin() - 1;
+      const int64_t t = g - first_tile_[b];
       const Sequence s = sequence(a, b);
-      for (int64_t t = 0; t * kBlockN < s.len_k; ++t) {
-        const T* src = row_ptr<const T>(o, b, s.row_k + t * kBlockN, h);
-        const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
-        float* dst = data_ + index(b, h, t) * tile_size_;
-        if (layout == Layout::kByKey) {
-          // Panel p holds keys [p * kPanelRows, ...): element (key r of the panel, dim d) at d * kPanelRows + r.
-          for (int64_t key = 0; key < n; ++key) {
-            const T* row = src + key * o.row_stride;
-            float* out = dst + (key / kPanelRows) * kPanelRows * depth_ + key % kPanelRows;
-            for (int64_t d = 0; d < d_; ++d) out[d * kPanelRows] = to_float(row[d]);
-          }
-        } else {
-          // Panel p holds dims [p * kPanelRows, ...): element (key, dim r of the panel) at key * kPanelRows + r.
-          for (int64_t key = 0; key < n; ++key) {
-            const T* row = src + key * o.row_stride;
-            for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
-              float* out = dst + d0 * depth_ + key * kPanelRows;
-              const int64_t width = std::min(kPanelRows, d_ - d0);
-              for (int64_t r = 0; r < width; ++r) out[r] = to_float(row[d0 + r]);
-            }
-          }
-        }
-      }
+      const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
+      for (int64_t key = 0; key < n; ++key)
+        for (int64_t h = 0; h < a.heads_kv; ++h)
+          pack_row(row_ptr<const T>(o, b, s.row_k + t * kBlockN + key, h), key, data_ + index(b, h, t) * tile_size_);
     });
   }
 
@@ -165,6 +149,23 @@ class KeyTiles {
   }
 
  private:
+  // Key `key` of a tile, one head's head_dim values, into its place in the tile's panels.
+  template <typename T>
+  void pack_row(const T* row, int64_t key, float* tile) const {
+    if (layout_ == Layout::kByKey) {
+      // Panel p holds keys [p * kPanelRows, ...): (key r of the panel, dim d) at d * kPanelRows + r.
+      float* out = tile + (key / kPanelRows) * kPanelRows * depth_ + key % kPanelRows;
+      for (int64_t d = 0; d < d_; ++d) out[d * kPanelRows] = to_float(row[d]);
+      return;
+    }
+    // Panel p holds dims [p * kPanelRows, ...): (key, dim r of the panel) at key * kPanelRows + r.
+    for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
+      float* out = tile + d0 * depth_ + key * kPanelRows;
+      const int64_t width = std::min(kPanelRows, d_ - d0);
+      for (int64_t r = 0; r < width; ++r) out[r] = to_float(row[d0 + r]);
+    }
+  }
+
   float* data_ = nullptr;
   int64_t d_ = 0, depth_ = 0, tile_size_ = 0;
   Layout layout_ = Layout::kByKey;
