@@ -10,8 +10,9 @@
 // Positions and masks. Query row i of sequence b sits at global position
 //   pq = q_pos(b) + i,   and key row j at   pk = k_pos(b) + j,
 // where q_pos / k_pos come from `q_offset` / `k_offset` (or the per-sequence arrays). By default
-// q_pos(b) = seqlen_k(b) - seqlen_q(b) and k_pos(b) = 0: causal alignment is bottom-right, as in
-// flash-attn. A key is visible when
+// k_pos(b) = 0 and q_pos(b) = k_pos(b) + seqlen_k(b) - seqlen_q(b): the last query is aligned with
+// the last key (bottom-right causal alignment, as in flash-attn). Scalar offsets must lie in
+// [-2^40, 2^40]. A key is visible when
 //   pk <= pq                       (causal)
 //   pq - window_left <= pk <= pq + window_right   (window; -1 means unbounded on that side).
 // A row that sees no key gets out = 0 and lse = -inf, never NaN.
@@ -29,7 +30,7 @@
 namespace ringflash {
 
 struct AttentionParams {
-  // Sentinel for `q_offset`: align the last query with the last key (flash-attn's bottom-right).
+  // Sentinel for `q_offset`: align the last query with the last key, q_pos = k_pos + len_k - len_q.
   static constexpr int64_t kBottomRight = INT64_MIN;
 
   std::optional<float> softmax_scale;      // default 1 / sqrt(D); must be finite

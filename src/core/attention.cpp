@@ -15,6 +15,8 @@ namespace {
 using core::AttentionArgs;
 using core::str_cat;
 
+constexpr int64_t kMaxOffset = int64_t{1} << 40;
+
 bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
 
 // Validates the tensors and options shared by forward and backward and fills everything in
@@ -218,8 +220,17 @@ class Validator {
     }
     if (p_.k_seq_offsets) args_.k_seq_offsets = host_int32(*p_.k_seq_offsets, "k_seq_offsets", batch);
     args_.k_offset = p_.k_offset;
-    args_.window_left = p_.window_left < 0 ? AttentionArgs::kUnbounded : p_.window_left;
-    args_.window_right = p_.window_right < 0 ? AttentionArgs::kUnbounded : p_.window_right;
+    // Positions stay far below kUnbounded, so every position difference the kernels form is exact.
+    for (auto [value, name] : {std::pair{p_.q_offset, "q_offset"}, {p_.k_offset, "k_offset"}}) {
+      if (value == AttentionParams::kBottomRight && name[0] == 'q') continue;
+      RINGFLASH_CHECK(value >= -kMaxOffset && value <= kMaxOffset, InvalidArgument, "[", op_, "] ", name,
+                      " must be in [-2^40, 2^40], got ", value);
+    }
+    // A window wider than any position difference is unbounded.
+    args_.window_left = p_.window_left < 0 ? AttentionArgs::kUnbounded
+                                           : std::min<int64_t>(p_.window_left, AttentionArgs::kUnbounded);
+    args_.window_right = p_.window_right < 0 ? AttentionArgs::kUnbounded
+                                             : std::min<int64_t>(p_.window_right, AttentionArgs::kUnbounded);
     if (p_.causal) args_.window_right = std::min<int64_t>(args_.window_right, 0);
     args_.scale = p_.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(args_.head_dim)));
     args_.softcap = p_.softcap;
@@ -294,6 +305,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   args.dq = check.like(dq, "dq", q, Rule::kAccumulate);
   args.dk = check.like(dk, "dk", k, Rule::kAccumulate);
   args.dv = check.like(dv, "dv", v, Rule::kAccumulate);
+  for (auto [grad, name] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
+    for (auto [other, other_name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}})
+      RINGFLASH_CHECK(grad == other || grad->data() != other->data() || grad->numel() == 0, InvalidArgument,
+                      "[attention_backward] ", name, " must not alias ", other_name);
   if (q.numel() == 0 && k.numel() == 0) return;
   if (q.device().type == DeviceType::kCUDA) {
     require_cuda("attention_backward", args);

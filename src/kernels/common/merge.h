@@ -27,9 +27,14 @@ RINGFLASH_HOST_DEVICE MergeWeights merge_weights(float lse_acc, float lse_blk) {
   const float hi = lse_acc > lse_blk ? lse_acc : lse_blk;
   if (hi == -std::numeric_limits<float>::infinity()) return {hi, 0.0f, 0.0f};
   const float lo = lse_acc > lse_blk ? lse_blk : lse_acc;
-  // log(exp(hi) + exp(lo)) = hi + log1p(exp(lo - hi)), stable because lo - hi <= 0.
-  const float lse = hi + log1pf(expf(lo - hi));
-  return {lse, expf(lse_acc - lse), expf(lse_blk - lse)};
+  // With e = exp(lo - hi) <= 1: lse = hi + log1p(e), and the weights are 1 / (1 + e) and
+  // e / (1 + e). Formed from the difference alone, their error does not grow with |lse|, as
+  // exp(lse_x - lse) of a rounded lse would.
+  const float e = expf(lo - hi);
+  const float w_hi = 1.0f / (1.0f + e);
+  const float w_lo = e * w_hi;
+  const bool acc_is_hi = lse_acc >= lse_blk;
+  return {hi + log1pf(e), acc_is_hi ? w_hi : w_lo, acc_is_hi ? w_lo : w_hi};
 }
 
 }  // namespace ringflash::core

@@ -65,10 +65,13 @@ inline Vec exp2(Vec x) {
 #if defined(__AVX512F__)
   // n = round(x), f = x - n; vscalefps multiplies by 2^n and flushes to 0 below the normal
   // range. Clamping first keeps -inf from turning f into NaN.
-  const __m512 xc = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-150.0f));
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const Vec p = exp2_reduced(reinterpret_cast<Vec>(_mm512_sub_ps(xc, n)));
-  const Vec r = reinterpret_cast<Vec>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), n));
+  // (The zero-masked forms with a full mask avoid GCC's spurious uninitialised warnings.)
+  constexpr __mmask16 kAll = 0xffff;
+  const Vec xc = vmax(x, splat(-150.0f));
+  const Vec n = reinterpret_cast<Vec>(
+      _mm512_maskz_roundscale_ps(kAll, reinterpret_cast<__m512>(xc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const Vec p = exp2_reduced(xc - n);
+  const Vec r = reinterpret_cast<Vec>(_mm512_maskz_scalef_ps(kAll, reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(n)));
   return x < -126.0f ? Vec{} : r;
 #else
   // Round to nearest with the 1.5 * 2^23 trick: n = round(x), f = x - n in [-0.5, 0.5].
