@@ -34,12 +34,19 @@ struct WorkItem {
   int64_t cost;
 };
 
+// A work item's scratch, carved from the running thread's kWorkerTiles buffer.
 struct BackwardScratch {
-  std::vector<float> st, ds, tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
-  std::vector<float> dk, dv;             // kBlockN x padded accumulators
-  explicit BackwardScratch(int64_t padded)
-      : st(kBlockN * kBlockM), ds(kBlockN * kBlockM), tanh_grad(kBlockN * kBlockM), dk(kBlockN * padded),
-        dv(kBlockN * padded) {}
+  float *st, *ds, *tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
+  float *dk, *dv;              // kBlockN x padded accumulators
+  explicit BackwardScratch(int64_t padded) {
+    constexpr int64_t kTile = kBlockN * kBlockM;
+    float* p = workspace(Buffer::kWorkerTiles, static_cast<size_t>(3 * kTile + 2 * kBlockN * padded));
+    st = p;
+    ds = p + kTile;
+    tanh_grad = p + 2 * kTile;
+    dk = p + 3 * kTile;
+    dv = dk + kBlockN * padded;
+  }
 };
 
 // One query tile in the forms the products read.
@@ -163,9 +170,10 @@ class Backward {
     const size_t acc_size = static_cast<size_t>(chunks_ * a_.heads_q * queries_.tiles() * d_ * kBlockM);
     dq_acc_ = workspace(Buffer::kDqAccumulator, acc_size);
     std::fill(dq_acc_, dq_acc_ + acc_size, 0.0f);
-    std::vector<BackwardScratch> scratch(threads, BackwardScratch(dp_));
-    core::parallel_for(static_cast<int64_t>(items.size()), threads,
-                       [&](int64_t i, int worker) { chunk(items[i], scratch[worker]); });
+    core::parallel_for(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
+      BackwardScratch scratch(dp_);
+      chunk(items[i], scratch);
+    });
     write_dq();
     zero_unused_rows();
   }
@@ -210,8 +218,8 @@ class Backward {
       const int64_t pk0 = s.pos_k + j0;
       const int64_t key_tile = k_by_key_.index(b, hk, j0 / kBlockN);
       const KeyTile keys{k_by_key_.operand(key_tile), v_by_key_.operand(key_tile), k_by_dim_.operand(key_tile)};
-      std::fill(w.dk.begin(), w.dk.end(), 0.0f);
-      std::fill(w.dv.begin(), w.dv.end(), 0.0f);
+      std::fill(w.dk, w.dk + kBlockN * dp_, 0.0f);
+      std::fill(w.dv, w.dv + kBlockN * dp_, 0.0f);
       int64_t first, last;
       t_.mask.query_span(pk0, pk0 + n, s.pos_q, s.pos_q + s.len_q, &first, &last);
       const int64_t t_first = (first - s.pos_q) / kBlockM, t_last = (last - s.pos_q + kBlockM - 1) / kBlockM;
@@ -246,34 +254,34 @@ class Backward {
   // One (query tile, key tile) pair: recompute P, then dV, dS, dK and this tile's share of dQ.
   void run_step(const Step& t, const KeyTile& keys, float* dqt, BackwardScratch& w) const {
     const int64_t n = t.n;
-    float* st = w.st.data();
-    float* ds = w.ds.data();
+    float* st = w.st;
+    float* ds = w.ds;
     gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.k.a, keys.k.a_rs, keys.k.a_cs, t.q.qt, kBlockM, st, kBlockM});
-    transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad.data() : nullptr);
+    transform_scores(t_, t.alibi, t.partial, t.pq0, t.pk0, n, st, t_.softcap ? w.tanh_grad : nullptr);
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
         float* p = st + r * kBlockM + c * kVecWidth;
         store(p, exp2(load(p) - load(t.q.lse2 + c * kVecWidth)));
       }
-    gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv.data(), dp_);
+    gemm_panels<true>(n, dp_, t.rows, st, kBlockM, 1, t.q.dout, kBlockM, w.dv, dp_);
     gemm<false, UnitStrideTile>(n, kBlockM, d_, {keys.v.a, keys.v.a_rs, keys.v.a_cs, t.q.dot, kBlockM, ds, kBlockM});
     // dS^T = P^T (dP^T - delta), times the score's derivative in q.k: scale (x softcap's 1 - tanh^2)
     for (int64_t r = 0; r < n; ++r)
       for (int64_t c = 0; c < kColumnVecs; ++c) {
         const int64_t at = r * kBlockM + c * kVecWidth;
         Vec g = load(st + at) * (load(ds + at) - load(t.q.delta + c * kVecWidth)) * a_.scale;
-        if (t_.softcap) g *= load(w.tanh_grad.data() + at);
+        if (t_.softcap) g *= load(w.tanh_grad + at);
         store(ds + at, g);
       }
-    gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk.data(), dp_);
+    gemm_panels<true>(n, dp_, t.rows, ds, kBlockM, 1, t.q.q, kBlockM, w.dk, dp_);
     const PanelOperand& kd = keys.k_transposed;
     gemm<true, UnitStrideTile>(d_, kBlockM, n, {kd.a, kd.a_rs, kd.a_cs, ds, kBlockM, dqt, kBlockM});
   }
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
     for (int64_t r = 0; r < n; ++r) {
-      store_grad(w.dk.data() + r * dp_, a_.dk, b, row0 + r, hk);
-      store_grad(w.dv.data() + r * dp_, a_.dv, b, row0 + r, hk);
+      store_grad(w.dk + r * dp_, a_.dk, b, row0 + r, hk);
+      store_grad(w.dv + r * dp_, a_.dv, b, row0 + r, hk);
     }
   }
 

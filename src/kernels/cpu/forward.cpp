@@ -33,15 +33,24 @@ struct WorkItem {
 // Per query tile of an item: Q^T, O^T, running max and sum per query, and the factor that
 // rescales O^T for the latest max.
 struct QueryState {
-  std::vector<float> qt, ot, m, l, alpha;
-  explicit QueryState(int64_t head_dim)
-      : qt(head_dim * kBlockM), ot(head_dim * kBlockM), m(kBlockM), l(kBlockM), alpha(kBlockM) {}
+  float *qt, *ot, *m, *l, *alpha;
 };
 
+// A work item's scratch, carved from the running thread's kWorkerTiles buffer.
 struct ForwardScratch {
-  std::vector<QueryState> queries;
-  std::vector<float> st;  // S^T, then P^T
-  explicit ForwardScratch(int64_t head_dim) : queries(kMaxGroup, QueryState(head_dim)), st(kBlockN * kBlockM) {}
+  QueryState queries[kMaxGroup];
+  float* st;  // S^T, then P^T
+
+  explicit ForwardScratch(int64_t head_dim) {
+    const size_t per_query = static_cast<size_t>(2 * head_dim * kBlockM + 3 * kBlockM);
+    float* p = workspace(Buffer::kWorkerTiles, kMaxGroup * per_query + kBlockN * kBlockM);
+    for (QueryState& q : queries) {
+      q = {p, p + head_dim * kBlockM, p + 2 * head_dim * kBlockM, p + 2 * head_dim * kBlockM + kBlockM,
+           p + 2 * head_dim * kBlockM + 2 * kBlockM};
+      p += per_query;
+    }
+    st = p;
+  }
 };
 
 template <typename T>
@@ -54,9 +63,10 @@ class Forward {
     v_.pack<T>(a_, a_.v, KeyTiles::Layout::kByDim, Buffer::kValues);
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
-    std::vector<ForwardScratch> scratch(threads, ForwardScratch(d_));
-    core::parallel_for(static_cast<int64_t>(items.size()), threads,
-                       [&](int64_t i, int worker) { run_item(items[i], scratch[worker]); });
+    core::parallel_for(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {
+      ForwardScratch scratch(d_);
+      run_item(items[i], scratch);
+    });
     clear_unused_rows();
   }
 
@@ -90,10 +100,10 @@ class Forward {
       QueryState& q = w.queries[i];
       const int64_t q0 = item.q0 + i * kBlockM;
       pack_transposed(row_ptr<const T>(a_.q, b, s.row_q + q0, h), a_.q.row_stride, std::min(kBlockM, s.len_q - q0),
-                      d_, t_.q_scale, q.qt.data());
-      std::fill(q.ot.begin(), q.ot.end(), 0.0f);
-      std::fill(q.m.begin(), q.m.end(), -kInf);
-      std::fill(q.l.begin(), q.l.end(), 0.0f);
+                      d_, t_.q_scale, q.qt);
+      std::fill(q.ot, q.ot + d_ * kBlockM, 0.0f);
+      std::fill(q.m, q.m + kBlockM, -kInf);
+      std::fill(q.l, q.l + kBlockM, 0.0f);
     }
 
     int64_t first, last;
@@ -110,17 +120,17 @@ class Forward {
         if (kind == core::BlockKind::kEmpty) continue;
         QueryState& q = w.queries[i];
         // S^T (n x kBlockM) = K Q^T
-        gemm<false, UnitStrideTile>(n, kBlockM, d_, {kt.a, kt.a_rs, kt.a_cs, q.qt.data(), kBlockM, w.st.data(), kBlockM});
-        transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st.data(), nullptr);
-        online_softmax(n, w.st.data(), q);
+        gemm<false, UnitStrideTile>(n, kBlockM, d_, {kt.a, kt.a_rs, kt.a_cs, q.qt, kBlockM, w.st, kBlockM});
+        transform_scores(t_, alibi, kind == core::BlockKind::kPartial, pq0, pk0, n, w.st, nullptr);
+        online_softmax(n, w.st, q);
         // O^T (d x kBlockM) = alpha O^T + V^T P^T
         gemm<true, UnitStrideTile>(d_, kBlockM, n,
-                   {vt.a, vt.a_rs, vt.a_cs, w.st.data(), kBlockM, q.ot.data(), kBlockM, q.alpha.data()});
+                   {vt.a, vt.a_rs, vt.a_cs, w.st, kBlockM, q.ot, kBlockM, q.alpha});
       }
     }
     for (int64_t i = 0; i < item.tiles; ++i) {
       const int64_t q0 = item.q0 + i * kBlockM;
-      finish(b, h, s, q0, std::min(kBlockM, s.len_q - q0), w.queries[i], w.st.data());
+      finish(b, h, s, q0, std::min(kBlockM, s.len_q - q0), w.queries[i], w.st);
     }
   }
 
@@ -129,7 +139,7 @@ class Forward {
   void online_softmax(int64_t n, float* st, QueryState& w) const {
     for (int64_t c = 0; c < kColumnVecs; ++c) {
       const int64_t col = c * kVecWidth;
-      const Vec m_old = load(w.m.data() + col);
+      const Vec m_old = load(w.m + col);
       Vec m_new = m_old;
       for (int64_t r = 0; r < n; ++r) m_new = vmax(m_new, load(st + r * kBlockM + col));
       // A column that has seen only masked keys keeps max -inf; subtracting 0 instead gives
@@ -143,9 +153,9 @@ class Forward {
         sum += e;
       }
       const Vec alpha = exp2(m_old - m_use);
-      store(w.m.data() + col, m_new);
-      store(w.l.data() + col, load(w.l.data() + col) * alpha + sum);
-      store(w.alpha.data() + col, alpha);
+      store(w.m + col, m_new);
+      store(w.l + col, load(w.l + col) * alpha + sum);
+      store(w.alpha + col, alpha);
     }
   }
 

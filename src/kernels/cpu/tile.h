@@ -69,10 +69,13 @@ inline float* lse_ptr(const AttentionArgs& a, int64_t b, int64_t row, int64_t h)
 
 inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_left, a.window_right}; }
 
-// Large per-call buffers, kept by the calling thread for its next call: repeated calls then reuse
-// warm pages instead of faulting in fresh ones. Contents are not preserved between uses.
+// Buffers kept by each thread for its next call: repeated calls then reuse warm pages instead of
+// allocating, zeroing and faulting in fresh ones. The packed operands belong to the calling thread;
+// the tile scratch (kWorkerTiles) to whichever thread runs the work item. Contents are not
+// preserved between uses.
 enum class Buffer {
-  kKeys, kKeysT, kValues, kValuesT, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kCount
+  kKeys, kKeysT, kValues, kValuesT, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kWorkerTiles,
+  kCount
 };
 
 inline float* workspace(Buffer slot, size_t n) {
