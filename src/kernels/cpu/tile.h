@@ -135,9 +135,10 @@ class KeyTiles {
       const int64_t t = g - first_tile_[b];
       const Sequence s = sequence(a, b);
       const int64_t n = std::min(kBlockN, s.len_k - t * kBlockN);
-      for (int64_t key = 0; key < n; ++key)
+      for (int64_t k0 = 0; k0 < n; k0 += kPanelRows)
         for (int64_t h = 0; h < a.heads_kv; ++h)
-          pack_row(row_ptr<const T>(o, b, s.row_k + t * kBlockN + key, h), key, data_ + index(b, h, t) * tile_size_);
+          pack_panel_rows<T>(o, b, s.row_k + t * kBlockN + k0, h, k0, std::min(kPanelRows, n - k0),
+                          data_ + index(b, h, t) * tile_size_);
     });
   }
 
@@ -152,22 +153,36 @@ class KeyTiles {
   }
 
  private:
-  // Key `key` of a tile, one head's head_dim values, into its place in the tile's panels.
+  // Keys [k0, k0 + rows) of a tile (rows <= kPanelRows), one head, into their places in the
+  // tile's panels.
   template <typename T>
-  void pack_row(const T* row, int64_t key, float* tile) const {
+  void pack_panel_rows(const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t rows,
+                       float* tile) const {
     if (layout_ == Layout::kByKey) {
-      // Panel p holds keys [p * kPanelRows, ...): (key r of the panel, dim d) at d * kPanelRows + r.
-      float* out = tile + (key / kPanelRows) * kPanelRows * depth_ + key % kPanelRows;
-      for (int64_t d = 0; d < d_; ++d) out[d * kPanelRows] = to_float(row[d]);
+      // Panel k0 / kPanelRows holds these keys: (key r, dim d) at d * kPanelRows + r. The rows are
+      // widened into a small contiguous block first, so the transpose reads from L1.
+      float block[kPanelRows * kMaxPackedDim];
+      float* out = tile + k0 * depth_;
+      for (int64_t d0 = 0; d0 < d_; d0 += kMaxPackedDim) {
+        const int64_t width = std::min(kMaxPackedDim, d_ - d0);
+        for (int64_t r = 0; r < rows; ++r) convert_row(row_ptr<const T>(o, b, row + r, h) + d0, width, width, block + r * width);
+        for (int64_t d = 0; d < width; ++d)
+          for (int64_t r = 0; r < rows; ++r) out[(d0 + d) * kPanelRows + r] = block[r * width + d];
+      }
       return;
     }
     // Panel p holds dims [p * kPanelRows, ...): (key, dim r of the panel) at key * kPanelRows + r.
-    for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
-      float* out = tile + d0 * depth_ + key * kPanelRows;
-      const int64_t width = std::min(kPanelRows, d_ - d0);
-      for (int64_t r = 0; r < width; ++r) out[r] = to_float(row[d0 + r]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* in = row_ptr<const T>(o, b, row + r, h);
+      for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
+        float* out = tile + d0 * depth_ + (k0 + r) * kPanelRows;
+        const int64_t width = std::min(kPanelRows, d_ - d0);
+        for (int64_t x = 0; x < width; ++x) out[x] = to_float(in[d0 + x]);
+      }
     }
   }
+
+  static constexpr int64_t kMaxPackedDim = 256;  // head dims widened per pass of pack_panel_rows
 
   float* data_ = nullptr;
   int64_t d_ = 0, depth_ = 0, tile_size_ = 0;
