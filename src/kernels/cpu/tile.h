@@ -199,16 +199,32 @@ inline void for_unused_rows(const AttentionArgs& a, const int32_t* cu_seqlens, i
     if (r < cu_seqlens[0] || r >= cu_seqlens[a.batch]) fn(r);
 }
 
-// dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero.
+// dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero. Rows are widened a vector's
+// worth at a time into a small contiguous block, so the transpose writes whole vectors of dst
+// instead of scattering single floats a row apart.
 template <typename T>
 inline void pack_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t head_dim, float scale,
                             float* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* s = src + r * row_stride;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d * kBlockM + r] = to_float(s[d]) * scale;
+  constexpr int64_t kRows = kVecWidth;
+  constexpr int64_t kDims = 256;
+  float block[kRows * kDims];
+  for (int64_t r0 = 0; r0 < kBlockM; r0 += kRows) {
+    const int64_t valid = std::clamp<int64_t>(rows - r0, 0, kRows);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
+      const int64_t width = std::min(kDims, head_dim - d0);
+      for (int64_t r = 0; r < kRows; ++r) {
+        if (r < valid)
+          convert_row(src + (r0 + r) * row_stride + d0, width, width, block + r * width);
+        else
+          std::fill(block + r * width, block + (r + 1) * width, 0.0f);
+      }
+      for (int64_t d = 0; d < width; ++d) {
+        Vec column;
+        for (int64_t r = 0; r < kRows; ++r) column[r] = block[r * width + d];
+        store(dst + (d0 + d) * kBlockM + r0, column * scale);
+      }
+    }
   }
-  for (int64_t d = 0; d < head_dim; ++d)
-    for (int64_t r = rows; r < kBlockM; ++r) dst[d * kBlockM + r] = 0.0f;
 }
 
 // What turns q.k into a log2-unit score. Q is packed pre-multiplied by `q_scale`, so the tile
