@@ -23,7 +23,7 @@ namespace {
 // loads serves them all while it is in L2.
 constexpr int64_t kMaxGroup = 8;
 // Fewer tiles per item when that is what it takes to give each thread this many items.
-constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kItemsPerThread = 16;
 
 struct WorkItem {
   int64_t b, h, q0, tiles;
