@@ -23,8 +23,16 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# torch's OpenMP threads spin for milliseconds after each parallel region by default. Two
+# libraries sharing two cores then fight: a ringflash call made right after a torch op finds one
+# core taken by a spinning torch thread (measured here: half speed with OMP_WAIT_POLICY=ACTIVE).
+# PASSIVE makes torch's threads sleep instead; torch's own SDPA times are the same either way
+# (within noise of its default). It must be set before torch loads its OpenMP runtime. Set
+# OMP_WAIT_POLICY yourself to measure another policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FWD_BWD_FLOPS_FACTOR = 3.5  # forward + backward (2.5 x forward)
@@ -207,7 +215,7 @@ def main(argv=None):
 
     print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"ringflash {getattr(ringflash, '__version__', '?')}, {threads} torch threads, ringflash threads: default "
-          f"(every core), batch {args.batch}, heads {args.heads}")
+          f"(every core), batch {args.batch}, heads {args.heads}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
     print(f"medians over up to {args.iters} iterations (at least {args.min_iters}, {args.budget:g} s budget), "
           f"{args.warmup} warm-up, {args.sets} input sets; ratio = torch time / ringflash time\n")
     print("  ".join(header.rjust(width) for header, width, _ in COLUMNS), flush=True)

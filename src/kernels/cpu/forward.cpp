@@ -75,15 +75,18 @@ class Forward {
     int64_t tiles = 0;
     for (int64_t b = 0; b < a_.batch; ++b) tiles += (sequence(a_, b).len_q + kBlockM - 1) / kBlockM * a_.heads_q;
     const int64_t group = std::clamp<int64_t>(tiles / (kItemsPerThread * a_.num_threads), 1, kMaxGroup);
+    // Head-major order, so that items handed out one after another share their head's K and V
+    // while it is in L2; the stable sort by cost keeps that order among equal items.
     std::vector<WorkItem> items;
     for (int64_t b = 0; b < a_.batch; ++b) {
       const Sequence s = sequence(a_, b);
-      for (int64_t q0 = 0; q0 < s.len_q; q0 += group * kBlockM) {
-        const int64_t q1 = std::min(q0 + group * kBlockM, s.len_q);
-        int64_t first, last;
-        t_.mask.key_span(s.pos_q + q0, s.pos_q + q1, s.pos_k, s.pos_k + s.len_k, &first, &last);
-        const int64_t n_tiles = (q1 - q0 + kBlockM - 1) / kBlockM;
-        for (int64_t h = 0; h < a_.heads_q; ++h) items.push_back({b, h, q0, n_tiles, (last - first) * n_tiles});
+      for (int64_t h = 0; h < a_.heads_q; ++h) {
+        for (int64_t q0 = 0; q0 < s.len_q; q0 += group * kBlockM) {
+          const int64_t q1 = std::min(q0 + group * kBlockM, s.len_q);
+          int64_t first, last;
+          t_.mask.key_span(s.pos_q + q0, s.pos_q + q1, s.pos_k, s.pos_k + s.len_k, &first, &last);
+          items.push_back({b, h, q0, (q1 - q0 + kBlockM - 1) / kBlockM, (last - first) * ((q1 - q0 + kBlockM - 1) / kBlockM)});
+        }
       }
     }
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
