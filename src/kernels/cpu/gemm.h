@@ -1,8 +1,9 @@
 // Small fp32 matrix products for the attention tiles, register-blocked for the vector ISA.
 //
-// Every product in the kernels has one of its operands as a packed panel of rows (B below) and
-// the other read element by element with arbitrary strides (A), which lets one routine serve
-// S^T = K Q^T, O += P V, dV += P^T dO, dK += dS^T Q and dQ += dS K without any transposes.
+// Every product in the kernels has one operand as a dense panel of rows read as vectors (B below)
+// and the other read element by element and broadcast (A, any strides), which lets one routine
+// serve S^T = K Q^T, O^T += V^T P^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q and
+// dQ^T += K^T dS^T without any transposes.
 #pragma once
 
 #include <cstdint>

@@ -95,12 +95,6 @@ inline Vec tanh(Vec x) {
   return 1.0f - 2.0f / (e + 1.0f);
 }
 
-inline float hmax(Vec v) {
-  float m = v[0];
-  for (int i = 1; i < kVecWidth; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-
 // Storage types. Conversions to fp32 are exact; conversions from fp32 round to nearest even.
 struct BFloat16 {
   uint16_t bits;
