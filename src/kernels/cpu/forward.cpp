@@ -1,5 +1,5 @@
-// CPU attention forward: one work item is one tile of kBlockM queries of one head; it walks the
-// key tiles the mask leaves visible and keeps an online softmax per query.
+// CPU attention forward: one work item is a run of up to kMaxGroup tiles of kBlockM queries of
+// one head; it walks the key tiles the mask leaves visible and keeps an online softmax per query.
 //
 // Both products keep a dense kBlockM-column panel as their B operand, which keeps every B read
 // inside L1 without cache-set conflicts:
@@ -18,7 +18,6 @@
 namespace ringflash::cpu {
 namespace {
 
-// kBlockN = 128 keys x 64 queries of fp32 scores is 32 KiB: the B panel of O^T += V^T P^T.
 // A work item takes up to this many consecutive query tiles of one head, so each key tile it
 // loads serves them all while it is in L2.
 constexpr int64_t kMaxGroup = 8;
@@ -85,7 +84,8 @@ class Forward {
           const int64_t q1 = std::min(q0 + group * kBlockM, s.len_q);
           int64_t first, last;
           t_.mask.key_span(s.pos_q + q0, s.pos_q + q1, s.pos_k, s.pos_k + s.len_k, &first, &last);
-          items.push_back({b, h, q0, (q1 - q0 + kBlockM - 1) / kBlockM, (last - first) * ((q1 - q0 + kBlockM - 1) / kBlockM)});
+          const int64_t n_tiles = (q1 - q0 + kBlockM - 1) / kBlockM;
+          items.push_back({b, h, q0, n_tiles, (last - first) * n_tiles});
         }
       }
     }
