@@ -221,11 +221,12 @@ class Validator {
     if (p_.k_seq_offsets) args_.k_seq_offsets = host_int32(*p_.k_seq_offsets, "k_seq_offsets", batch);
     args_.k_offset = p_.k_offset;
     // Positions stay far below kUnbounded, so every position difference the kernels form is exact.
-    for (auto [value, name] : {std::pair{p_.q_offset, "q_offset"}, {p_.k_offset, "k_offset"}}) {
-      if (value == AttentionParams::kBottomRight && name[0] == 'q') continue;
+    const auto check_offset = [&](int64_t value, const char* name) {
       RINGFLASH_CHECK(value >= -kMaxOffset && value <= kMaxOffset, InvalidArgument, "[", op_, "] ", name,
                       " must be in [-2^40, 2^40], got ", value);
-    }
+    };
+    if (p_.q_offset != AttentionParams::kBottomRight) check_offset(p_.q_offset, "q_offset");
+    check_offset(p_.k_offset, "k_offset");
     // A window wider than any position difference is unbounded.
     args_.window_left = p_.window_left < 0 ? AttentionArgs::kUnbounded
                                            : std::min<int64_t>(p_.window_left, AttentionArgs::kUnbounded);

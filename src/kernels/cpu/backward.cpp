@@ -160,9 +160,9 @@ class Backward {
         t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_by_dim_.pack<T>(a_, a_.k, KeyTiles::Layout::kByDim, Buffer::kKeys);
-    k_by_key_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysT);
-    v_by_key_.pack<T>(a_, a_.v, KeyTiles::Layout::kByKey, Buffer::kValuesT);
+    k_by_dim_.pack<T>(a_, a_.k, KeyTiles::Layout::kByDim, Buffer::kKeysByDim);
+    k_by_key_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysByKey);
+    v_by_key_.pack<T>(a_, a_.v, KeyTiles::Layout::kByKey, Buffer::kValuesByKey);
     queries_.pack<T>(a_, t_.q_scale, dp_);
     chunks_ = chunk_count();
     const std::vector<WorkItem> items = make_items();

@@ -58,8 +58,8 @@ class Forward {
   explicit Forward(const AttentionArgs& a) : a_(a), d_(a.head_dim), t_(ScoreTransform::make(a)) {}
 
   void run() {
-    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysT);
-    v_.pack<T>(a_, a_.v, KeyTiles::Layout::kByDim, Buffer::kValues);
+    k_.pack<T>(a_, a_.k, KeyTiles::Layout::kByKey, Buffer::kKeysByKey);
+    v_.pack<T>(a_, a_.v, KeyTiles::Layout::kByDim, Buffer::kValuesByDim);
     const std::vector<WorkItem> items = make_items();
     const int threads = static_cast<int>(std::clamp<int64_t>(static_cast<int64_t>(items.size()), 1, a_.num_threads));
     core::parallel_for(static_cast<int64_t>(items.size()), threads, [&](int64_t i, int) {

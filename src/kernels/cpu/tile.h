@@ -74,7 +74,9 @@ inline core::Mask mask_of(const AttentionArgs& a) { return core::Mask{a.window_l
 // the tile scratch (kWorkerTiles) to whichever thread runs the work item. Contents are not
 // preserved between uses.
 enum class Buffer {
-  kKeys, kKeysT, kValues, kValuesT, kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator, kWorkerTiles,
+  kKeysByKey, kKeysByDim, kValuesByKey, kValuesByDim,              // KeyTiles
+  kQueryT, kQuery, kDoutT, kDout, kDelta, kLse2, kDqAccumulator,  // backward query tiles and dQ
+  kWorkerTiles,
   kCount
 };
 
@@ -91,6 +93,47 @@ inline float* workspace(Buffer slot, size_t n) {
     c.size = n;
   }
   return c.data.get();
+}
+
+// dst[d * ld + r] = scale * (row r of src)[d] for r < rows, and 0 for rows <= r < width: rows
+// transposed into columns. Rows are widened a vector's worth at a time into a small contiguous
+// block, so the transpose reads from L1 and, for whole vectors of columns, writes whole vectors
+// of dst instead of scattering single floats a row apart.
+template <typename T>
+inline void transpose_rows(const T* src, int64_t row_stride, int64_t rows, int64_t width, int64_t head_dim,
+                           float scale, float* dst, int64_t ld) {
+  constexpr int64_t kDims = 256;  // head dims widened per pass
+  float block[kVecWidth * kDims];
+  for (int64_t r0 = 0; r0 < width; r0 += kVecWidth) {
+    const int64_t chunk = std::min<int64_t>(kVecWidth, width - r0);
+    const int64_t valid = std::clamp<int64_t>(rows - r0, 0, chunk);
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
+      const int64_t dims = std::min(kDims, head_dim - d0);
+      for (int64_t r = 0; r < chunk; ++r) {
+        if (r < valid)
+          convert_row(src + (r0 + r) * row_stride + d0, dims, dims, block + r * dims);
+        else
+          std::fill(block + r * dims, block + (r + 1) * dims, 0.0f);
+      }
+      float* out = dst + d0 * ld + r0;
+      for (int64_t d = 0; d < dims; ++d, out += ld) {
+        if (chunk == kVecWidth) {
+          Vec column;
+          for (int64_t r = 0; r < kVecWidth; ++r) column[r] = block[r * dims + d];
+          store(out, column * scale);
+        } else {
+          for (int64_t r = 0; r < chunk; ++r) out[r] = block[r * dims + d] * scale;
+        }
+      }
+    }
+  }
+}
+
+// dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero.
+template <typename T>
+inline void pack_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t head_dim, float scale,
+                            float* dst) {
+  transpose_rows(src, row_stride, rows, kBlockM, head_dim, scale, dst, kBlockM);
 }
 
 // Keys per tile, in forward and backward alike.
@@ -159,16 +202,9 @@ class KeyTiles {
   void pack_panel_rows(const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t rows,
                        float* tile) const {
     if (layout_ == Layout::kByKey) {
-      // Panel k0 / kPanelRows holds these keys: (key r, dim d) at d * kPanelRows + r. The rows are
-      // widened into a small contiguous block first, so the transpose reads from L1.
-      float block[kPanelRows * kMaxPackedDim];
-      float* out = tile + k0 * depth_;
-      for (int64_t d0 = 0; d0 < d_; d0 += kMaxPackedDim) {
-        const int64_t width = std::min(kMaxPackedDim, d_ - d0);
-        for (int64_t r = 0; r < rows; ++r) convert_row(row_ptr<const T>(o, b, row + r, h) + d0, width, width, block + r * width);
-        for (int64_t d = 0; d < width; ++d)
-          for (int64_t r = 0; r < rows; ++r) out[(d0 + d) * kPanelRows + r] = block[r * width + d];
-      }
+      // Panel k0 / kPanelRows holds these keys: (key r, dim d) at d * kPanelRows + r.
+      transpose_rows(row_ptr<const T>(o, b, row, h), o.row_stride, rows, rows, d_, 1.0f, tile + k0 * depth_,
+                     kPanelRows);
       return;
     }
     // Panel p holds dims [p * kPanelRows, ...): (key, dim r of the panel) at key * kPanelRows + r.
@@ -181,8 +217,6 @@ class KeyTiles {
       }
     }
   }
-
-  static constexpr int64_t kMaxPackedDim = 256;  // head dims widened per pass of pack_panel_rows
 
   float* data_ = nullptr;
   int64_t d_ = 0, depth_ = 0, tile_size_ = 0;
@@ -197,34 +231,6 @@ inline void for_unused_rows(const AttentionArgs& a, const int32_t* cu_seqlens, i
   if (!cu_seqlens) return;
   for (int64_t r = 0; r < rows; ++r)
     if (r < cu_seqlens[0] || r >= cu_seqlens[a.batch]) fn(r);
-}
-
-// dst (head_dim x kBlockM) = scale * rows^T, columns past `rows` zero. Rows are widened a vector's
-// worth at a time into a small contiguous block, so the transpose writes whole vectors of dst
-// instead of scattering single floats a row apart.
-template <typename T>
-inline void pack_transposed(const T* src, int64_t row_stride, int64_t rows, int64_t head_dim, float scale,
-                            float* dst) {
-  constexpr int64_t kRows = kVecWidth;
-  constexpr int64_t kDims = 256;
-  float block[kRows * kDims];
-  for (int64_t r0 = 0; r0 < kBlockM; r0 += kRows) {
-    const int64_t valid = std::clamp<int64_t>(rows - r0, 0, kRows);
-    for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
-      const int64_t width = std::min(kDims, head_dim - d0);
-      for (int64_t r = 0; r < kRows; ++r) {
-        if (r < valid)
-          convert_row(src + (r0 + r) * row_stride + d0, width, width, block + r * width);
-        else
-          std::fill(block + r * width, block + (r + 1) * width, 0.0f);
-      }
-      for (int64_t d = 0; d < width; ++d) {
-        Vec column;
-        for (int64_t r = 0; r < kRows; ++r) column[r] = block[r * width + d];
-        store(dst + (d0 + d) * kBlockM + r0, column * scale);
-      }
-    }
-  }
 }
 
 // What turns q.k into a log2-unit score. Q is packed pre-multiplied by `q_scale`, so the tile
