@@ -286,10 +286,7 @@ class Backward {
   }
 
   void store_grad(const float* src, const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h) const {
-    if (a_.grad_dtype == DType::kFloat32)
-      store_row(src, d_, a_.accumulate, row_ptr<float>(o, b, row, h));
-    else
-      store_row(src, d_, a_.accumulate, row_ptr<T>(o, b, row, h));
+    store_operand_row<T>(src, d_, a_.accumulate, a_.grad_dtype, o, b, row, h);
   }
 
   // dq = sum over chunks of the fp32 dQ^T tiles, in chunk order. Query rows that no key reached

@@ -185,10 +185,7 @@ class Forward {
   }
 
   void store_output(const float* o, int64_t b, int64_t row, int64_t h) const {
-    if (a_.out_dtype == DType::kFloat32)
-      store_row(o, d_, false, row_ptr<float>(a_.out, b, row, h));
-    else
-      store_row(o, d_, false, row_ptr<T>(a_.out, b, row, h));
+    store_operand_row<T>(o, d_, false, a_.out_dtype, a_.out, b, row, h);
   }
 
   // Rows of a packed batch outside [cu_seqlens_q[0], cu_seqlens_q[B]) belong to no sequence:

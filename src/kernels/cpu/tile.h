@@ -63,6 +63,16 @@ inline T* row_ptr(const AttentionArgs::Operand& o, int64_t b, int64_t row, int64
   return static_cast<T*>(o.data) + b * o.batch_stride + row * o.row_stride + h * o.head_stride;
 }
 
+// Writes n floats to row `row` of head h of an operand stored as fp32 or as T, or adds them to it.
+template <typename T>
+inline void store_operand_row(const float* src, int64_t n, bool add, DType dtype, const AttentionArgs::Operand& o,
+                              int64_t b, int64_t row, int64_t h) {
+  if (dtype == DType::kFloat32)
+    store_row(src, n, add, row_ptr<float>(o, b, row, h));
+  else
+    store_row(src, n, add, row_ptr<T>(o, b, row, h));
+}
+
 inline float* lse_ptr(const AttentionArgs& a, int64_t b, int64_t row, int64_t h) {
   return a.lse + b * a.lse_batch_stride + h * a.lse_head_stride + row;
 }
