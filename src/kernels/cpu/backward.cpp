@@ -295,7 +295,7 @@ class Backward {
     core::parallel_for(a_.batch * a_.heads_q, a_.num_threads, [&](int64_t i, int) {
       const int64_t b = i / a_.heads_q, h = i % a_.heads_q;
       const Sequence s = sequence(a_, b);
-      std::vector<float> sum(d_ * kBlockM), row(d_);
+      std::vector<float> sum(d_ * kBlockM), rows_t(kVecWidth * d_);
       for (int64_t t = 0; t * kBlockM < s.len_q; ++t) {
         const int64_t tile = queries_.index(b, h, t);
         std::copy_n(dq_acc(0, tile), sum.size(), sum.begin());
@@ -305,8 +305,10 @@ class Backward {
         }
         const int64_t rows = std::min(kBlockM, s.len_q - t * kBlockM);
         for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t d = 0; d < d_; ++d) row[d] = sum[d * kBlockM + r];
-          store_grad(row.data(), a_.dq, b, s.row_q + t * kBlockM + r, h);
+          if (r % kVecWidth == 0)  // dQ^T's next kVecWidth columns as rows
+            transpose_rows(sum.data() + r, kBlockM, d_, d_, std::min<int64_t>(kVecWidth, rows - r), 1.0f,
+                           rows_t.data(), d_);
+          store_grad(rows_t.data() + r % kVecWidth * d_, a_.dq, b, s.row_q + t * kBlockM + r, h);
         }
       }
     });

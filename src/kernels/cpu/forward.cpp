@@ -38,11 +38,11 @@ struct QueryState {
 // A work item's scratch, carved from the running thread's kWorkerTiles buffer.
 struct ForwardScratch {
   QueryState queries[kMaxGroup];
-  float* st;  // S^T, then P^T
+  float* st;  // S^T, then P^T; at the end, output rows
 
   explicit ForwardScratch(int64_t head_dim) {
     const size_t per_query = static_cast<size_t>(2 * head_dim * kBlockM + 3 * kBlockM);
-    float* p = workspace(Buffer::kWorkerTiles, kMaxGroup * per_query + kBlockN * kBlockM);
+    float* p = workspace(Buffer::kWorkerTiles, kMaxGroup * per_query + std::max(kBlockN * kBlockM, kVecWidth * head_dim));
     for (QueryState& q : queries) {
       q = {p, p + head_dim * kBlockM, p + 2 * head_dim * kBlockM, p + 2 * head_dim * kBlockM + kBlockM,
            p + 2 * head_dim * kBlockM + 2 * kBlockM};
@@ -138,48 +138,73 @@ class Forward {
   }
 
   // Turns the score tile into probabilities against the running column maxima, rescales the
-  // sums for the new maxima and leaves the output's factor in `alpha`.
+  // sums for the new maxima and leaves the output's factor in `alpha`. The column vectors are the
+  // inner loop, so the max and sum reductions run as kColumnVecs independent chains.
   void online_softmax(int64_t n, float* st, QueryState& w) const {
+    Vec m_new[kColumnVecs], m_use[kColumnVecs], sum[kColumnVecs];
+    for (int64_t c = 0; c < kColumnVecs; ++c) m_new[c] = load(w.m + c * kVecWidth);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < kColumnVecs; ++c) m_new[c] = vmax(m_new[c], load(st + r * kBlockM + c * kVecWidth));
     for (int64_t c = 0; c < kColumnVecs; ++c) {
-      const int64_t col = c * kVecWidth;
-      const Vec m_old = load(w.m + col);
-      Vec m_new = m_old;
-      for (int64_t r = 0; r < n; ++r) m_new = vmax(m_new, load(st + r * kBlockM + col));
       // A column that has seen only masked keys keeps max -inf; subtracting 0 instead gives
       // exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
-      const Vec m_use = m_new == -kInf ? Vec{} : m_new;
-      Vec sum{};
-      for (int64_t r = 0; r < n; ++r) {
-        float* p = st + r * kBlockM + col;
-        const Vec e = exp2(load(p) - m_use);
+      m_use[c] = m_new[c] == -kInf ? Vec{} : m_new[c];
+      sum[c] = Vec{};
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t c = 0; c < kColumnVecs; ++c) {
+        float* p = st + r * kBlockM + c * kVecWidth;
+        const Vec e = exp2(load(p) - m_use[c]);
         store(p, e);
-        sum += e;
+        sum[c] += e;
       }
-      const Vec alpha = exp2(m_old - m_use);
-      store(w.m + col, m_new);
-      store(w.l + col, load(w.l + col) * alpha + sum);
+    }
+    for (int64_t c = 0; c < kColumnVecs; ++c) {
+      const int64_t col = c * kVecWidth;
+      const Vec alpha = exp2(load(w.m + col) - m_use[c]);
+      store(w.m + col, m_new[c]);
+      store(w.l + col, load(w.l + col) * alpha + sum[c]);
       store(w.alpha + col, alpha);
     }
   }
 
-  // Writes the tile's rows; `o` is scratch for one output row.
-  void finish(int64_t b, int64_t h, const Sequence& s, int64_t q0, int64_t rows, const QueryState& w, float* o) const {
+  // Writes the tile's rows; `rows_t` is scratch for kVecWidth output rows.
+  void finish(int64_t b, int64_t h, const Sequence& s, int64_t q0, int64_t rows, QueryState& w,
+              float* rows_t) const {
+    // O^T's columns divided by their sums, a vector of queries at a time.
+    for (int64_t c = 0; c < kColumnVecs; ++c) {
+      const Vec l = load(w.l + c * kVecWidth);
+      const Vec inv = l > 0.0f ? 1.0f / l : Vec{};
+      for (int64_t d = 0; d < d_; ++d) {
+        float* o = w.ot + d * kBlockM + c * kVecWidth;
+        store(o, load(o) * inv);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row = s.row_q + q0 + r;
       const float l = w.l[r];
-      const float lse = l > 0.0f ? (w.m[r] + std::log2(l)) * kLn2 : -kInf;
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      for (int64_t d = 0; d < d_; ++d) o[d] = w.ot[d * kBlockM + r] * inv;
+      w.l[r] = l > 0.0f ? (w.m[r] + std::log2(l)) * kLn2 : -kInf;  // now the row's lse
+    }
+    if (!a_.accumulate && a_.out_dtype == DType::kFloat32) {  // transposed straight into the output
+      transpose_rows(w.ot, kBlockM, d_, d_, rows, 1.0f, row_ptr<float>(a_.out, b, s.row_q + q0, h),
+                     a_.out.row_stride);
+      for (int64_t r = 0; r < rows; ++r) *lse_ptr(a_, b, s.row_q + q0 + r, h) = w.l[r];
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r % kVecWidth == 0)  // O^T's next kVecWidth columns as rows
+        transpose_rows(w.ot + r, kBlockM, d_, d_, std::min<int64_t>(kVecWidth, rows - r), 1.0f, rows_t, d_);
+      const float* o = rows_t + r % kVecWidth * d_;
+      const int64_t row = s.row_q + q0 + r;
       float* lse_out = lse_ptr(a_, b, row, h);
       if (a_.accumulate) {
-        const core::MergeWeights mw = core::merge_weights(*lse_out, lse);
+        const core::MergeWeights mw = core::merge_weights(*lse_out, w.l[r]);
         float* out = row_ptr<float>(a_.out, b, row, h);
         // w_acc == 0 means the accumulator is empty: ignore whatever it holds.
         for (int64_t d = 0; d < d_; ++d) out[d] = (mw.w_acc == 0.0f ? 0.0f : mw.w_acc * out[d]) + mw.w_blk * o[d];
         *lse_out = mw.lse;
         continue;
       }
-      *lse_out = lse;
+      *lse_out = w.l[r];
       store_output(o, b, row, h);
     }
   }

@@ -106,35 +106,20 @@ inline float* workspace(Buffer slot, size_t n) {
 }
 
 // dst[d * ld + r] = scale * (row r of src)[d] for r < rows, and 0 for rows <= r < width: rows
-// transposed into columns. Rows are widened a vector's worth at a time into a small contiguous
-// block, so the transpose reads from L1 and, for whole vectors of columns, writes whole vectors
-// of dst instead of scattering single floats a row apart.
+// transposed into columns, a kVecWidth x kVecWidth block at a time in registers.
 template <typename T>
 inline void transpose_rows(const T* src, int64_t row_stride, int64_t rows, int64_t width, int64_t head_dim,
                            float scale, float* dst, int64_t ld) {
-  constexpr int64_t kDims = 256;  // head dims widened per pass
-  float block[kVecWidth * kDims];
   for (int64_t r0 = 0; r0 < width; r0 += kVecWidth) {
     const int64_t chunk = std::min<int64_t>(kVecWidth, width - r0);
     const int64_t valid = std::clamp<int64_t>(rows - r0, 0, chunk);
-    for (int64_t d0 = 0; d0 < head_dim; d0 += kDims) {
-      const int64_t dims = std::min(kDims, head_dim - d0);
-      for (int64_t r = 0; r < chunk; ++r) {
-        if (r < valid)
-          convert_row(src + (r0 + r) * row_stride + d0, dims, dims, block + r * dims);
-        else
-          std::fill(block + r * dims, block + (r + 1) * dims, 0.0f);
-      }
-      float* out = dst + d0 * ld + r0;
-      for (int64_t d = 0; d < dims; ++d, out += ld) {
-        if (chunk == kVecWidth) {
-          Vec column;
-          for (int64_t r = 0; r < kVecWidth; ++r) column[r] = block[r * dims + d];
-          store(out, column * scale);
-        } else {
-          for (int64_t r = 0; r < chunk; ++r) out[r] = block[r * dims + d] * scale;
-        }
-      }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += kVecWidth) {
+      const int64_t dims = std::min<int64_t>(kVecWidth, head_dim - d0);
+      Vec block[kVecWidth];
+      for (int64_t r = 0; r < kVecWidth; ++r)
+        block[r] = r < valid ? load_partial(src + (r0 + r) * row_stride + d0, dims) : Vec{};
+      transpose_block(block);
+      for (int64_t d = 0; d < dims; ++d) store_partial(dst + (d0 + d) * ld + r0, block[d] * scale, chunk);
     }
   }
 }
@@ -223,7 +208,10 @@ class KeyTiles {
       for (int64_t d0 = 0; d0 < d_; d0 += kPanelRows) {
         float* out = tile + d0 * depth_ + (k0 + r) * kPanelRows;
         const int64_t width = std::min(kPanelRows, d_ - d0);
-        for (int64_t x = 0; x < width; ++x) out[x] = to_float(in[d0 + x]);
+        for (int64_t x = 0; x < width; x += kVecWidth) {
+          const int64_t n = std::min<int64_t>(kVecWidth, width - x);
+          store_partial(out + x, load_partial(in + d0 + x, n), n);
+        }
       }
     }
   }
