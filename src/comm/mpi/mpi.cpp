@@ -2,6 +2,8 @@
 #include <mpi.h>
 
 #include "../../core/backends.h"
+#include "ringflash/comm.h"
+#include "ringflash/errors.h"
 
 namespace ringflash::comm::mpi {
 
@@ -14,3 +16,9 @@ std::string describe() {
 }
 
 }  // namespace ringflash::comm::mpi
+
+namespace ringflash {
+
+std::unique_ptr<Communicator> mpi_world() { throw NotSupported("[mpi_world] not implemented yet"); }
+
+}  // namespace ringflash

@@ -1,0 +1,112 @@
+// Communicators: how ranks exchange bytes. The strategies (parallel.h) use only this interface.
+//
+// A Communicator is one rank's handle on a group of `size()` ranks. Every operation is
+// collective over the ranks it names: all ranks of the communicator call the collectives (in the
+// same order), and both ends call send_recv for each message.
+//
+// Buffers are host memory for the CPU transports (inproc, mpi). Sizes are in bytes unless the
+// operation is typed. Send buffers are read, receive buffers written; a receive buffer may not
+// overlap any buffer of the same call.
+//
+// Deadlines. Every wait ends by `timeout()` (default 5 minutes). When it passes, or a peer is
+// known to have failed, the wait throws CommError naming the operation and the peer, e.g.
+//   "[send_recv] rank 1 of 4: no message from rank 2 within 300 s".
+// A rank whose call throws should let its communicator fail (fail(), or the transport's own
+// detection) so that its peers end with a CommError too instead of waiting out the deadline.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ringflash {
+
+// One message of a batched send_recv.
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind;
+  int peer;       // rank in this communicator; may be this rank
+  void* data;     // read for kSend, written for kRecv
+  size_t bytes;   // must match the peer's op
+};
+
+// Messages between a pair of ranks are matched in the order they were posted, per direction.
+inline P2POp send_op(int peer, const void* data, size_t bytes) {
+  return {P2POp::Kind::kSend, peer, const_cast<void*>(data), bytes};
+}
+inline P2POp recv_op(int peer, void* data, size_t bytes) { return {P2POp::Kind::kRecv, peer, data, bytes}; }
+
+// The operations of one send_recv, in flight. wait() completes them all (and throws CommError
+// if any fails); the destructor waits too, swallowing errors, so buffers are never left in use.
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  virtual void wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "inproc" or "mpi".
+  virtual std::string transport() const = 0;
+
+  // Ranks that pass the same `color` form a new communicator, ordered by (key, rank). Collective.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+
+  // Posts every op (group semantics: no op waits for another of the same call) and returns at
+  // once; the buffers stay in use until the request completes.
+  virtual std::unique_ptr<CommRequest> send_recv(const std::vector<P2POp>& ops) = 0;
+
+  // Rank i sends send_bytes[j] bytes from send + send_offsets[j] to rank j, and receives
+  // recv_bytes[j] bytes from rank j at recv + recv_offsets[j] (uneven splits). Blocking.
+  virtual void all_to_all(const void* send, const std::vector<size_t>& send_bytes,
+                          const std::vector<size_t>& send_offsets, void* recv, const std::vector<size_t>& recv_bytes,
+                          const std::vector<size_t>& recv_offsets);
+
+  // recv = the concatenation of every rank's `send`, in rank order; rank j contributes
+  // bytes[j] bytes (uneven sizes allowed). Blocking.
+  virtual void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes);
+
+  // Sum over ranks of fp32 `send` (sum of counts elements), then rank j keeps elements
+  // [offset_j, offset_j + counts[j]) of the sum in `recv`. Blocking. The sum runs in rank order,
+  // so every run gives the same bits.
+  virtual void reduce_scatter(const float* send, float* recv, const std::vector<size_t>& counts);
+
+  virtual void barrier();
+
+  // Marks this rank as failed: peers waiting on it fail with CommError at once. For a rank that
+  // will not take part any more (its own call threw).
+  virtual void fail(const std::string& reason) = 0;
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
+
+ protected:
+  std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+};
+
+// Runs fn(comm) on `world_size` threads, one rank each, over the inproc transport, and returns
+// when all are done. If any rank throws, that rank fails its communicator (so its peers end with
+// CommError rather than wait), and the first exception by rank order is rethrown here after
+// every thread has finished. `timeout` applies to every communicator made.
+void run_inproc(int world_size, const std::function<void(Communicator& comm)>& fn,
+                std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+// Like run_inproc, but returns each rank's exception (null where the rank succeeded) instead of
+// rethrowing: for tests of failures.
+std::vector<std::exception_ptr> run_inproc_collect(int world_size, const std::function<void(Communicator& comm)>& fn,
+                                                   std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+// The world communicator of an MPI job (MPI_COMM_WORLD), initialising MPI on first use (with
+// MPI_THREAD_SERIALIZED) unless the program did. Throws NotSupported if this build has no MPI.
+// MPI is finalised at exit if ringflash initialised it.
+std::unique_ptr<Communicator> mpi_world();
+
+}  // namespace ringflash

@@ -1,0 +1,1 @@
+// Communicator collectives built on send_recv, for transports without native ones.

@@ -1,0 +1,1 @@
+// inproc transport: one rank per thread in one process.

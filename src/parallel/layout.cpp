@@ -1,0 +1,1 @@
+// Shard arithmetic for every layout (layout.h).

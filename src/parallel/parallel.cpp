@@ -1,0 +1,1 @@
+// Entry points of parallel.h: validation on every rank and across ranks, then dispatch.
