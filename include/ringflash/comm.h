@@ -88,8 +88,19 @@ class Communicator {
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
+  // What this rank has done on this communicator since it was made or last reset: payload bytes
+  // it sent to other ranks (messages to itself not counted) and seconds spent inside waits
+  // (CommRequest::wait and the blocking collectives).
+  struct Stats {
+    uint64_t bytes_sent = 0;
+    double wait_seconds = 0.0;
+  };
+  Stats stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
  protected:
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
+  Stats stats_;  // kept up to date by the transports
 };
 
 // Runs fn(comm) on `world_size` threads, one rank each, over the inproc transport, and returns
