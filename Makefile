@@ -3,7 +3,8 @@
 #
 #   make setup       system packages (apt), Python packages (pip), the ringflash Python package
 #   make build       C++ library, tests and benchmarks in build/ (Release, Ninja)
-#   make demo        CPU kernel against a float64 reference, then the CPU benchmark against torch
+#   make demo        CPU kernel against a float64 reference, then every strategy over 4 CPU ranks
+#                    (ringflash-bench, S = 16384) against the single-device kernel
 #   make test        C++ tests (ctest), then Python tests (pytest)
 #   make test-asan   C++ tests built with AddressSanitizer and UBSan in build-asan/
 #   make cuda-check  compiles the library with CUDA in build-cuda/ when nvcc is present
@@ -11,7 +12,8 @@
 #   make example     installs the library and builds and runs examples/cpp through find_package
 #   make clean       removes the build directories
 #
-# Variables: PYTHON, BUILD_DIR, CMAKE_ARGS (extra -D options for build/), BENCH_ARGS, CTEST_ARGS.
+# Variables: PYTHON, BUILD_DIR, CMAKE_ARGS (extra -D options for build/), BENCH_ARGS, DEMO_ARGS
+# (extra ringflash-bench flags), CTEST_ARGS.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -25,6 +27,7 @@ INSTALL_PREFIX ?= /tmp/ringflash-install
 EXAMPLE_DIR ?= $(BUILD_DIR)/example-cpp
 CMAKE_ARGS ?=
 BENCH_ARGS ?=
+DEMO_ARGS ?=
 CTEST_ARGS ?=
 CUDA_ARCHITECTURES ?= 80;90
 
@@ -82,7 +85,7 @@ build: setup-system
 
 demo: setup build
 	$(PYTHON) bench/reference_check.py
-	$(PYTHON) bench/cpu_bench.py $(BENCH_ARGS)
+	$(BUILD_DIR)/bench/ringflash-bench --world 4 --seqlen 16384 --iters 3 --warmup 1 $(DEMO_ARGS)
 
 test: test-cpp test-python
 
@@ -125,6 +128,10 @@ example: build
 	cmake -S examples/cpp -B $(EXAMPLE_DIR) -G Ninja -DCMAKE_PREFIX_PATH=$(INSTALL_PREFIX)
 	cmake --build $(EXAMPLE_DIR)
 	$(EXAMPLE_DIR)/attention_example
+	@if command -v mpiexec >/dev/null; then set -x; \
+	  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+	  mpiexec --oversubscribe -n 4 $(EXAMPLE_DIR)/zigzag_example; \
+	else echo "example: mpiexec not found, zigzag_example not run"; fi
 
 clean:
 	rm -rf $(BUILD_DIR) $(ASAN_DIR) $(CUDA_DIR) $(INSTALL_PREFIX)
