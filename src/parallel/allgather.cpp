@@ -1,10 +1,169 @@
-// allgather: K/V gathered in slices of heads.
-#include "ringflash/errors.h"
+// allgather: K and V gathered from every rank, a slice of KV heads at a time.
+//
+// Every rank holds contiguous rows of the sequence. For each slice of options.kv_heads_per_gather
+// KV heads, all_gather brings every rank's K and V rows of the slice; they are put in global order
+// and this rank's queries of the slice's query heads attend to all of them, at global positions,
+// in one kernel call. The slice bounds the gathered buffer to (B, S, 2, slice, D), and each KV
+// head is gathered once whatever the number of query heads reading it.
+//
+// Backward gathers K and V again per slice, computes dq for this rank's rows and dk, dv for every
+// gathered row in fp32; a reduce_scatter sums dk, dv over ranks and leaves each rank its own rows.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "reshard.h"
 #include "strategy.h"
 
 namespace ringflash::parallel {
+namespace {
 
-void allgather_forward(Communicator&, const Problem&, const ParallelOptions&) { throw NotSupported("[allgather] not implemented yet"); }
-void allgather_backward(Communicator&, const Problem&, const ParallelOptions&) { throw NotSupported("[allgather] not implemented yet"); }
+// Slices of at most options.kv_heads_per_gather KV heads (0: all at once).
+std::vector<HeadRange> kv_slices(const Problem& p, const ParallelOptions& options) {
+  const int64_t per = options.kv_heads_per_gather > 0 ? std::min(options.kv_heads_per_gather, p.heads_kv) : p.heads_kv;
+  std::vector<HeadRange> slices;
+  for (int64_t h = 0; h < p.heads_kv; h += per) slices.push_back({h, std::min(per, p.heads_kv - h)});
+  return slices;
+}
+
+// Kernel options for this rank's queries against the gathered keys: queries at this rank's global
+// positions, keys from 0; packed batches by local cu_seqlens for q and global ones for k.
+class Positions {
+ public:
+  Positions(const Problem& p, const RowPlan& plan, int rank) : params_(p.params), cu_k_(p.cu_seqlens) {
+    params_.q_seq_offsets.reset();
+    params_.k_seq_offsets.reset();
+    params_.cu_seqlens_q.reset();
+    params_.cu_seqlens_k.reset();
+    params_.k_offset = 0;
+    // Rank `rank`'s first position in sequence b: the joined rows of sequence b before its own.
+    const auto start = [&](int64_t b) { return plan.joined_first[rank][b] - plan.joined_first[0][b]; };
+    if (!p.packed) {
+      params_.q_offset = plan.batch > 0 ? start(0) : 0;
+      return;
+    }
+    for (int64_t b = 0; b < plan.batch; ++b) {
+      cu_q_.push_back(static_cast<int32_t>(plan.local_first[rank][b]));
+      q_starts_.push_back(static_cast<int32_t>(start(b)));
+    }
+    cu_q_.push_back(static_cast<int32_t>(plan.local_rows[rank]));
+    const Device device = p.q.device();
+    params_.cu_seqlens_q = TensorView(cu_q_.data(), DType::kInt32, device, {plan.batch + 1});
+    params_.cu_seqlens_k = TensorView(cu_k_.data(), DType::kInt32, device, {plan.batch + 1});
+    params_.q_seq_offsets = TensorView(q_starts_.data(), DType::kInt32, device, {plan.batch});
+  }
+
+  // The options for query heads `q` (ALiBi slopes narrowed to them).
+  AttentionParams for_heads(HeadRange q, bool accumulate) const {
+    AttentionParams params = params_for_heads(params_, q);
+    params.accumulate = accumulate;
+    return params;
+  }
+
+ private:
+  AttentionParams params_;
+  std::vector<int32_t> cu_q_, cu_k_, q_starts_;
+};
+
+// The K and V rows of KV heads `slice` of every rank, in global order: kv holds (B, S, 2, slice, D),
+// each row's k heads then its v heads. `send` and `gathered` are staging buffers.
+void gather_kv(Communicator& comm, const Problem& p, const RowPlan& plan, HeadRange slice, std::vector<char>& send,
+               std::vector<char>& gathered, std::vector<char>& kv) {
+  const int me = comm.rank();
+  const size_t row_bytes = 2 * slice.count * p.head_dim * dtype_size(p.k.dtype());
+  // k, v (B, S_r, Hkv, D) -> (B * S_r, 2, slice, D)
+  for (int64_t r = 0; r < plan.local_rows[me]; ++r) {
+    char* dst = copy_heads(p.k, r, slice, send.data() + r * row_bytes);
+    copy_heads(p.v, r, slice, dst);
+  }
+  std::vector<size_t> bytes(comm.size());
+  for (int j = 0; j < comm.size(); ++j) bytes[j] = plan.local_rows[j] * row_bytes;
+  comm.all_gather(send.data(), gathered.data(), bytes);   // -> (sum_j B * S_j, 2, slice, D), by rank
+  rank_order_to_joined(plan, gathered.data(), row_bytes, kv.data());  // -> (B, S, 2, slice, D)
+}
+
+// A contiguous (B, S_r, heads, D) view of this rank's rows (packed: (T_r, heads, D)).
+TensorView local_view(const RowPlan& plan, int rank, void* data, DType dtype, Device device, int64_t heads,
+                      int64_t dim) {
+  if (plan.packed) return TensorView(data, dtype, device, {plan.local_rows[rank], heads, dim});
+  return TensorView(data, dtype, device, {plan.batch, plan.local_batch_rows(rank), heads, dim});
+}
+
+}  // namespace
+
+void allgather_forward(Communicator& comm, const Problem& p, const ParallelOptions& options) {
+  const RowPlan plan = contiguous_plan(p, comm.size());
+  const Positions positions(p, plan, comm.rank());
+  const std::vector<HeadRange> slices = kv_slices(p, options);
+  const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, widest = slices.empty() ? 0 : slices[0].count;
+  const DType dtype = p.q.dtype();
+  const size_t widest_row = 2 * widest * dim * dtype_size(dtype);
+  std::vector<char> send(plan.local_rows[comm.rank()] * widest_row), gathered(plan.rows * widest_row),
+      kv(gathered.size());
+
+  for (const HeadRange& slice : slices) {
+    gather_kv(comm, p, plan, slice, send, gathered, kv);
+    const int64_t row_elems = 2 * slice.count * dim;
+    const TensorView k = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, 0, slice.count, dim);
+    const TensorView v = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, slice.count, slice.count, dim);
+    const HeadRange q{slice.first * group, slice.count * group};
+    attention_forward(narrow(p.q, -2, q.first, q.count), k, v, narrow(p.out, -2, q.first, q.count),
+                      narrow(p.lse, -2, q.first, q.count), positions.for_heads(q, false));
+  }
+}
+
+void allgather_backward(Communicator& comm, const Problem& p, const ParallelOptions& options) {
+  const int me = comm.rank();
+  const RowPlan plan = contiguous_plan(p, comm.size());
+  const Positions positions(p, plan, me);
+  const std::vector<HeadRange> slices = kv_slices(p, options);
+  const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, widest = slices.empty() ? 0 : slices[0].count;
+  const int64_t local_rows = plan.local_rows[me];
+  const DType dtype = p.q.dtype();
+  const Device device = p.q.device();
+  const size_t widest_row = 2 * widest * dim * dtype_size(dtype);
+  std::vector<char> send(local_rows * widest_row), gathered(plan.rows * widest_row), kv(gathered.size());
+  std::vector<float> dq(local_rows * widest * group * dim), dkv(plan.rows * 2 * widest * dim),
+      dkv_by_rank(dkv.size()), dkv_mine(local_rows * 2 * widest * dim);
+
+  for (const HeadRange& slice : slices) {
+    gather_kv(comm, p, plan, slice, send, gathered, kv);
+    const int64_t row_elems = 2 * slice.count * dim;
+    const TensorView k = joined_view(plan, kv.data(), dtype, device, row_elems, 0, slice.count, dim);
+    const TensorView v = joined_view(plan, kv.data(), dtype, device, row_elems, slice.count, slice.count, dim);
+    const HeadRange q{slice.first * group, slice.count * group};
+
+    // fp32 gradients: dq (B, S_r, q, D), dk and dv (B, S, 2, slice, D) for every gathered row
+    std::fill(dq.begin(), dq.end(), 0.0f);
+    std::fill(dkv.begin(), dkv.end(), 0.0f);
+    const TensorView dq_view = local_view(plan, me, dq.data(), DType::kFloat32, device, q.count, dim);
+    const TensorView dk = joined_view(plan, dkv.data(), DType::kFloat32, device, row_elems, 0, slice.count, dim);
+    const TensorView dv =
+        joined_view(plan, dkv.data(), DType::kFloat32, device, row_elems, slice.count, slice.count, dim);
+    attention_backward(narrow(p.q, -2, q.first, q.count), k, v, narrow(p.out, -2, q.first, q.count),
+                       narrow(p.dout, -2, q.first, q.count), narrow(p.lse, -2, q.first, q.count), dq_view, dk, dv,
+                       positions.for_heads(q, true));
+
+    // dq (B * S_r, q, D) fp32 -> dq (B, S_r, Hq, D)
+    for (int64_t r = 0; r < local_rows; ++r)
+      for (int64_t h = 0; h < q.count; ++h)
+        store_floats(&dq[(r * q.count + h) * dim], dim, dtype, head_ptr(p.dq, r, q.first + h));
+
+    // (B, S, 2, slice, D) -> by rank (sum_j B * S_j, 2, slice, D) -> summed over ranks, this rank's rows
+    joined_to_rank_order(plan, reinterpret_cast<const char*>(dkv.data()), row_elems * sizeof(float),
+                         reinterpret_cast<char*>(dkv_by_rank.data()));
+    std::vector<size_t> counts(comm.size());
+    for (int j = 0; j < comm.size(); ++j) counts[j] = plan.local_rows[j] * row_elems;
+    comm.reduce_scatter(dkv_by_rank.data(), dkv_mine.data(), counts);
+
+    // (B * S_r, 2, slice, D) fp32 -> dk, dv (B, S_r, Hkv, D)
+    for (int64_t r = 0; r < local_rows; ++r)
+      for (int64_t h = 0; h < slice.count; ++h) {
+        const float* row = &dkv_mine[r * row_elems];
+        store_floats(row + h * dim, dim, dtype, head_ptr(p.dk, r, slice.first + h));
+        store_floats(row + (slice.count + h) * dim, dim, dtype, head_ptr(p.dv, r, slice.first + h));
+      }
+  }
+}
 
 }  // namespace ringflash::parallel
