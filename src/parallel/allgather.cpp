@@ -1,15 +1,17 @@
 // allgather: K and V gathered from every rank, a slice of KV heads at a time.
 //
 // Every rank holds contiguous rows of the sequence. For each slice of options.kv_heads_per_gather
-// KV heads, all_gather brings every rank's K and V rows of the slice; they are put in global order
-// and this rank's queries of the slice's query heads attend to all of them, at global positions,
-// in one kernel call. The slice bounds the gathered buffer to (B, S, 2, slice, D), and each KV
-// head is gathered once whatever the number of query heads reading it.
+// KV heads, every rank's K and V rows of the slice are gathered; they are put in global order and
+// this rank's queries of the slice's query heads attend to all of them, at global positions, in one
+// kernel call. The gather of the next slice is in flight while a slice computes. The slice bounds
+// the gathered buffer to (B, S, 2, slice, D), and each KV head is gathered once whatever the number
+// of query heads reading it.
 //
 // Backward gathers K and V again per slice, computes dq for this rank's rows and dk, dv for every
 // gathered row in fp32; a reduce_scatter sums dk, dv over ranks and leaves each rank its own rows.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "reshard.h"
@@ -53,6 +55,10 @@ class Positions {
     params_.q_seq_offsets = TensorView(q_starts_.data(), DType::kInt32, device, {plan.batch});
   }
 
+  // params_ points into this object's vectors.
+  Positions(const Positions&) = delete;
+  Positions& operator=(const Positions&) = delete;
+
   // The options for query heads `q` (ALiBi slopes narrowed to them).
   AttentionParams for_heads(HeadRange q, bool accumulate) const {
     AttentionParams params = params_for_heads(params_, q);
@@ -65,22 +71,46 @@ class Positions {
   std::vector<int32_t> cu_q_, cu_k_, q_starts_;
 };
 
-// The K and V rows of KV heads `slice` of every rank, in global order: kv holds (B, S, 2, slice, D),
-// each row's k heads then its v heads. `send` and `gathered` are staging buffers.
-void gather_kv(Communicator& comm, const Problem& p, const RowPlan& plan, HeadRange slice, std::vector<char>& send,
-               std::vector<char>& gathered, std::vector<char>& kv) {
-  const int me = comm.rank();
-  const size_t row_bytes = 2 * slice.count * p.head_dim * dtype_size(p.k.dtype());
-  // k, v (B, S_r, Hkv, D) -> (B * S_r, 2, slice, D)
-  for (int64_t r = 0; r < plan.local_rows[me]; ++r) {
-    char* dst = copy_heads(p.k, r, slice, send.data() + r * row_bytes);
-    copy_heads(p.v, r, slice, dst);
+// The gather of one slice's K and V rows from every rank, posted as one send_recv so that it
+// travels while the previous slice computes (all_gather would block). Rows arrive in rank order
+// in `gathered`, where this rank's own rows are packed in place and sent from.
+class KvGather {
+ public:
+  KvGather(Communicator& comm, const Problem& p, const RowPlan& plan, int64_t widest)
+      : comm_(comm), p_(p), plan_(plan), gathered_(plan.rows * 2 * widest * p.head_dim * dtype_size(p.k.dtype())) {}
+
+  // k, v (B, S_r, Hkv, D) -> this rank's (B * S_r, 2, slice, D), sent to every rank.
+  void post(HeadRange slice) {
+    const int me = comm_.rank();
+    row_bytes_ = 2 * slice.count * p_.head_dim * dtype_size(p_.k.dtype());
+    char* mine = gathered_.data() + plan_.rank_first[me] * row_bytes_;
+    for (int64_t r = 0; r < plan_.local_rows[me]; ++r)
+      copy_heads(p_.v, r, slice, copy_heads(p_.k, r, slice, mine + r * row_bytes_));
+    std::vector<P2POp> ops;
+    for (int j = 0; j < comm_.size(); ++j) {
+      if (j == me) continue;
+      char* theirs = gathered_.data() + plan_.rank_first[j] * row_bytes_;
+      ops.push_back(recv_op(j, theirs, plan_.local_rows[j] * row_bytes_));
+      ops.push_back(send_op(j, mine, plan_.local_rows[me] * row_bytes_));
+    }
+    request_ = comm_.send_recv(ops);
   }
-  std::vector<size_t> bytes(comm.size());
-  for (int j = 0; j < comm.size(); ++j) bytes[j] = plan.local_rows[j] * row_bytes;
-  comm.all_gather(send.data(), gathered.data(), bytes);   // -> (sum_j B * S_j, 2, slice, D), by rank
-  rank_order_to_joined(plan, gathered.data(), row_bytes, kv.data());  // -> (B, S, 2, slice, D)
-}
+
+  // Waits for the posted slice: (sum_j B * S_j, 2, slice, D) by rank -> kv (B, S, 2, slice, D).
+  void finish(char* kv) {
+    request_->wait();
+    request_.reset();
+    rank_order_to_joined(plan_, gathered_.data(), row_bytes_, kv);
+  }
+
+ private:
+  Communicator& comm_;
+  const Problem& p_;
+  const RowPlan& plan_;
+  std::vector<char> gathered_;
+  size_t row_bytes_ = 0;
+  std::unique_ptr<CommRequest> request_;
+};
 
 // A contiguous (B, S_r, heads, D) view of this rank's rows (packed: (T_r, heads, D)).
 TensorView local_view(const RowPlan& plan, int rank, void* data, DType dtype, Device device, int64_t heads,
@@ -97,12 +127,14 @@ void allgather_forward(Communicator& comm, const Problem& p, const ParallelOptio
   const std::vector<HeadRange> slices = kv_slices(p, options);
   const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, widest = slices.empty() ? 0 : slices[0].count;
   const DType dtype = p.q.dtype();
-  const size_t widest_row = 2 * widest * dim * dtype_size(dtype);
-  std::vector<char> send(plan.local_rows[comm.rank()] * widest_row), gathered(plan.rows * widest_row),
-      kv(gathered.size());
+  std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
+  KvGather gather(comm, p, plan, widest);
 
-  for (const HeadRange& slice : slices) {
-    gather_kv(comm, p, plan, slice, send, gathered, kv);
+  if (!slices.empty()) gather.post(slices[0]);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const HeadRange slice = slices[i];
+    gather.finish(kv.data());
+    if (i + 1 < slices.size()) gather.post(slices[i + 1]);
     const int64_t row_elems = 2 * slice.count * dim;
     const TensorView k = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, 0, slice.count, dim);
     const TensorView v = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, slice.count, slice.count, dim);
@@ -121,13 +153,16 @@ void allgather_backward(Communicator& comm, const Problem& p, const ParallelOpti
   const int64_t local_rows = plan.local_rows[me];
   const DType dtype = p.q.dtype();
   const Device device = p.q.device();
-  const size_t widest_row = 2 * widest * dim * dtype_size(dtype);
-  std::vector<char> send(local_rows * widest_row), gathered(plan.rows * widest_row), kv(gathered.size());
+  std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
+  KvGather gather(comm, p, plan, widest);
   std::vector<float> dq(local_rows * widest * group * dim), dkv(plan.rows * 2 * widest * dim),
       dkv_by_rank(dkv.size()), dkv_mine(local_rows * 2 * widest * dim);
 
-  for (const HeadRange& slice : slices) {
-    gather_kv(comm, p, plan, slice, send, gathered, kv);
+  if (!slices.empty()) gather.post(slices[0]);
+  for (size_t i = 0; i < slices.size(); ++i) {
+    const HeadRange slice = slices[i];
+    gather.finish(kv.data());
+    if (i + 1 < slices.size()) gather.post(slices[i + 1]);
     const int64_t row_elems = 2 * slice.count * dim;
     const TensorView k = joined_view(plan, kv.data(), dtype, device, row_elems, 0, slice.count, dim);
     const TensorView v = joined_view(plan, kv.data(), dtype, device, row_elems, slice.count, slice.count, dim);
