@@ -8,9 +8,16 @@
 // of query heads reading it.
 //
 // Backward gathers K and V again per slice, computes dq for this rank's rows and dk, dv for every
-// gathered row in fp32; a reduce_scatter sums dk, dv over ranks and leaves each rank its own rows.
+// gathered row in fp32; these are summed over ranks (a reduce-scatter in rank order) so that each
+// rank gets its own rows.
+//
+// A rank's K/V rows go only to the ranks with a query that the mask lets see one of them: with a
+// causal mask, rank j gathers from ranks 0..j alone, and a window skips farther ranks. Rows that
+// are not sent are zeros in the gathered buffer (every query is masked from them), and their dK/dV
+// partial sums, zero too, are not sent back.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -27,6 +34,36 @@ std::vector<HeadRange> kv_slices(const Problem& p, const ParallelOptions& option
   for (int64_t h = 0; h < p.heads_kv; h += per) slices.push_back({h, std::min(per, p.heads_kv - h)});
   return slices;
 }
+
+// A window at least this wide is unbounded: no position difference reaches it.
+constexpr int64_t kUnboundedWindow = int64_t{1} << 50;
+
+// Which ranks' queries may see which ranks' keys under the mask of `params`, for every pair.
+class Visibility {
+ public:
+  Visibility(const RowPlan& plan, const AttentionParams& params) : world_(static_cast<int>(plan.counts.size())) {
+    const int64_t left = params.window_left < 0 ? kUnboundedWindow : params.window_left;
+    int64_t right = params.window_right < 0 ? kUnboundedWindow : params.window_right;
+    if (params.causal) right = std::min<int64_t>(right, 0);
+    seen_.assign(static_cast<size_t>(world_) * world_, false);
+    for (int q = 0; q < world_; ++q)
+      for (int k = 0; k < world_; ++k)
+        for (int64_t b = 0; b < plan.batch; ++b) {
+          const int64_t nq = plan.counts[q][b], nk = plan.counts[k][b];
+          const int64_t q0 = plan.joined_first[q][b] - plan.joined_first[0][b];
+          const int64_t k0 = plan.joined_first[k][b] - plan.joined_first[0][b];
+          // Keys [k0, k0 + nk) meet the positions [q0 - left, q0 + nq - 1 + right] that some query sees.
+          if (nq > 0 && nk > 0 && k0 <= q0 + nq - 1 + right && k0 + nk - 1 >= q0 - left) seen_[q * world_ + k] = true;
+        }
+  }
+
+  // Whether some query of rank `queries` may see some key of rank `keys`.
+  bool sees(int queries, int keys) const { return seen_[queries * world_ + keys]; }
+
+ private:
+  int world_;
+  std::vector<bool> seen_;
+};
 
 // Kernel options for this rank's queries against the gathered keys: queries at this rank's global
 // positions, keys from 0; packed batches by local cu_seqlens for q and global ones for k.
@@ -71,13 +108,17 @@ class Positions {
   std::vector<int32_t> cu_q_, cu_k_, q_starts_;
 };
 
-// The gather of one slice's K and V rows from every rank, posted as one send_recv so that it
-// travels while the previous slice computes (all_gather would block). Rows arrive in rank order
-// in `gathered`, where this rank's own rows are packed in place and sent from.
+// The gather of one slice's K and V rows from the ranks whose keys this rank's queries may see,
+// posted as one send_recv so that it travels while the previous slice computes. Rows arrive in
+// rank order in `gathered`, where this rank's own rows are packed in place and sent from.
 class KvGather {
  public:
-  KvGather(Communicator& comm, const Problem& p, const RowPlan& plan, int64_t widest)
-      : comm_(comm), p_(p), plan_(plan), gathered_(plan.rows * 2 * widest * p.head_dim * dtype_size(p.k.dtype())) {}
+  KvGather(Communicator& comm, const Problem& p, const RowPlan& plan, const Visibility& visible, int64_t widest)
+      : comm_(comm),
+        p_(p),
+        plan_(plan),
+        visible_(visible),
+        gathered_(plan.rows * 2 * widest * p.head_dim * dtype_size(p.k.dtype())) {}
 
   // k, v (B, S_r, Hkv, D) -> this rank's (B * S_r, 2, slice, D), sent to every rank.
   void post(HeadRange slice) {
@@ -90,8 +131,11 @@ class KvGather {
     for (int j = 0; j < comm_.size(); ++j) {
       if (j == me) continue;
       char* theirs = gathered_.data() + plan_.rank_first[j] * row_bytes_;
-      ops.push_back(recv_op(j, theirs, plan_.local_rows[j] * row_bytes_));
-      ops.push_back(send_op(j, mine, plan_.local_rows[me] * row_bytes_));
+      if (visible_.sees(me, j))
+        ops.push_back(recv_op(j, theirs, plan_.local_rows[j] * row_bytes_));
+      else
+        std::memset(theirs, 0, plan_.local_rows[j] * row_bytes_);
+      if (visible_.sees(j, me)) ops.push_back(send_op(j, mine, plan_.local_rows[me] * row_bytes_));
     }
     request_ = comm_.send_recv(ops);
   }
@@ -107,10 +151,34 @@ class KvGather {
   Communicator& comm_;
   const Problem& p_;
   const RowPlan& plan_;
+  const Visibility& visible_;
   std::vector<char> gathered_;
   size_t row_bytes_ = 0;
   std::unique_ptr<CommRequest> request_;
 };
+
+// dK/dV partial sums of every rank's rows, in rank order (each row `row_elems` floats) -> this
+// rank's rows summed over the ranks whose queries see them, in rank order as reduce_scatter sums.
+// `parts` is staging for what the other ranks send.
+void reduce_kv(Communicator& comm, const RowPlan& plan, const Visibility& visible, const float* by_rank,
+               int64_t row_elems, std::vector<float>& parts, float* mine) {
+  const int me = comm.rank();
+  const int64_t n = plan.local_rows[me] * row_elems;
+  std::vector<P2POp> ops;
+  for (int j = 0; j < comm.size(); ++j) {
+    if (j == me) continue;
+    if (visible.sees(j, me)) ops.push_back(recv_op(j, parts.data() + j * n, n * sizeof(float)));
+    const float* theirs = by_rank + plan.rank_first[j] * row_elems;
+    if (visible.sees(me, j)) ops.push_back(send_op(j, theirs, plan.local_rows[j] * row_elems * sizeof(float)));
+  }
+  comm.send_recv(ops)->wait();
+  std::fill(mine, mine + n, 0.0f);
+  for (int j = 0; j < comm.size(); ++j) {
+    const float* part = j == me ? by_rank + plan.rank_first[me] * row_elems : parts.data() + j * n;
+    if (j == me || visible.sees(j, me))
+      for (int64_t e = 0; e < n; ++e) mine[e] += part[e];
+  }
+}
 
 // A contiguous (B, S_r, heads, D) view of this rank's rows (packed: (T_r, heads, D)).
 TensorView local_view(const RowPlan& plan, int rank, void* data, DType dtype, Device device, int64_t heads,
@@ -127,8 +195,9 @@ void allgather_forward(Communicator& comm, const Problem& p, const ParallelOptio
   const std::vector<HeadRange> slices = kv_slices(p, options);
   const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, widest = slices.empty() ? 0 : slices[0].count;
   const DType dtype = p.q.dtype();
+  const Visibility visible(plan, p.params);
   std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
-  KvGather gather(comm, p, plan, widest);
+  KvGather gather(comm, p, plan, visible, widest);
 
   if (!slices.empty()) gather.post(slices[0]);
   for (size_t i = 0; i < slices.size(); ++i) {
@@ -153,10 +222,11 @@ void allgather_backward(Communicator& comm, const Problem& p, const ParallelOpti
   const int64_t local_rows = plan.local_rows[me];
   const DType dtype = p.q.dtype();
   const Device device = p.q.device();
+  const Visibility visible(plan, p.params);
   std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
-  KvGather gather(comm, p, plan, widest);
+  KvGather gather(comm, p, plan, visible, widest);
   std::vector<float> dq(local_rows * widest * group * dim), dkv(plan.rows * 2 * widest * dim),
-      dkv_by_rank(dkv.size()), dkv_mine(local_rows * 2 * widest * dim);
+      dkv_by_rank(dkv.size()), dkv_mine(local_rows * 2 * widest * dim), parts(comm.size() * dkv_mine.size());
 
   if (!slices.empty()) gather.post(slices[0]);
   for (size_t i = 0; i < slices.size(); ++i) {
@@ -187,9 +257,7 @@ void allgather_backward(Communicator& comm, const Problem& p, const ParallelOpti
     // (B, S, 2, slice, D) -> by rank (sum_j B * S_j, 2, slice, D) -> summed over ranks, this rank's rows
     joined_to_rank_order(plan, reinterpret_cast<const char*>(dkv.data()), row_elems * sizeof(float),
                          reinterpret_cast<char*>(dkv_by_rank.data()));
-    std::vector<size_t> counts(comm.size());
-    for (int j = 0; j < comm.size(); ++j) counts[j] = plan.local_rows[j] * row_elems;
-    comm.reduce_scatter(dkv_by_rank.data(), dkv_mine.data(), counts);
+    reduce_kv(comm, plan, visible, dkv_by_rank.data(), row_elems, parts, dkv_mine.data());
 
     // (B * S_r, 2, slice, D) fp32 -> dk, dv (B, S_r, Hkv, D)
     for (int64_t r = 0; r < local_rows; ++r)
