@@ -115,25 +115,35 @@ void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPl
   const int64_t dim = p.head_dim;
   const size_t head_bytes = dim * dtype_size(dtype);
 
-  // q, out, dout (B, S_r, Hq, D), k, v (B, S_r, Hkv, D), lse (B, Hq, S_r)
-  //   -> (B, S, 3 hq + 2 hkv, D) rows of [q | k | v | out | dout] heads, each followed by hq lse values
+  // q, dout (B, S_r, Hq, D), k, v (B, S_r, Hkv, D), out (B, S_r, Hq, D) in its dtype, lse (B, Hq, S_r)
+  //   -> rows of [q | k | v | dout] heads (B, S, 2 hq + 2 hkv, D), then hq out heads, then hq lse values
+  const DType out_dtype = p.out.dtype();  // the input dtype or fp32
+  const size_t out_head_bytes = dim * dtype_size(out_dtype);
   const auto in_bytes = [&](int w) {
-    return (3 * heads.q[w].count + 2 * heads.kv[w].count) * head_bytes + heads.q[w].count * sizeof(float);
+    const int64_t nq = heads.q[w].count, nkv = heads.kv[w].count;
+    return (2 * nq + 2 * nkv) * head_bytes + nq * (out_head_bytes + sizeof(float));
   };
   std::vector<char> rows = to_joined_rows(comm, plan, in_bytes, [&](int w, int64_t r, char* dst) {
     dst = copy_heads(p.q, r, heads.q[w], dst);
     dst = copy_heads(p.k, r, heads.kv[w], dst);
     dst = copy_heads(p.v, r, heads.kv[w], dst);
-    dst = copy_heads(p.out, r, heads.q[w], dst);
     dst = copy_heads(p.dout, r, heads.q[w], dst);
+    dst = copy_heads(p.out, r, heads.q[w], dst);
     copy_lse(p.lse, r, heads.q[w], dst);
   });
-  const size_t row_bytes = in_bytes(me), lse_offset = row_bytes - hq.count * sizeof(float);
+  // The out heads and lse values of every joined row -> out (B, S, hq, D) and lse (B, hq, S)
+  const size_t row_bytes = in_bytes(me), out_offset = (2 * hq.count + 2 * hkv.count) * head_bytes;
+  const size_t out_row_bytes = hq.count * out_head_bytes;
   const JoinedHeads in{plan, rows.data(), dtype, device, static_cast<int64_t>(row_bytes / dtype_size(dtype)), dim};
+  std::vector<char> out(plan.rows * out_row_bytes);
   std::vector<float> lse(plan.rows * hq.count);
-  const TensorView lse_all = joined_lse(plan, lse.data(), device, hq.count);  // (B, hq, S)
-  for (int64_t t = 0; t < plan.rows; ++t)
-    paste_lse(rows.data() + t * row_bytes + lse_offset, lse_all, t, {0, hq.count});
+  const JoinedHeads out_heads{plan, out.data(), out_dtype, device, hq.count * dim, dim};
+  const TensorView lse_all = joined_lse(plan, lse.data(), device, hq.count);
+  for (int64_t t = 0; t < plan.rows; ++t) {
+    const char* src = rows.data() + t * row_bytes + out_offset;
+    std::memcpy(out.data() + t * out_row_bytes, src, out_row_bytes);
+    paste_lse(src + out_row_bytes, lse_all, t, {0, hq.count});
+  }
 
   // fp32 gradients of the joined rows: dq (B, S, hq, D), dk and dv (B, S, hkv, D)
   std::vector<float> dq(plan.rows * hq.count * dim), dk(plan.rows * hkv.count * dim), dv(dk.size());
@@ -147,8 +157,8 @@ void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPl
     joined.q = in.heads(q0, s.q.count);
     joined.k = in.heads(hq.count + kv0, s.kv.count);
     joined.v = in.heads(hq.count + hkv.count + kv0, s.kv.count);
-    joined.out = in.heads(hq.count + 2 * hkv.count + q0, s.q.count);
-    joined.dout = in.heads(2 * hq.count + 2 * hkv.count + q0, s.q.count);
+    joined.dout = in.heads(hq.count + 2 * hkv.count + q0, s.q.count);
+    joined.out = out_heads.heads(q0, s.q.count);
     joined.lse = narrow(lse_all, -2, q0, s.q.count);
     joined.dq = dq_heads.heads(q0, s.q.count);
     joined.dk = dk_heads.heads(kv0, s.kv.count);
