@@ -1,1 +1,572 @@
-// (filled in with the transports and strategies)
+// Sequence-parallel strategies: the layouts, every strategy against the float64 reference on
+// inproc ranks (or on MPI ranks under mpiexec), bad input on some ranks, and failing ranks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "expect_error.h"
+#include "parallel_harness.h"
+#include "ringflash/errors.h"
+
+namespace ringflash::test {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr Strategy kStrategies[] = {Strategy::kRing,      Strategy::kZigzag,  Strategy::kStripe,
+                                    Strategy::kAllGather, Strategy::kUlysses, Strategy::kHybrid};
+constexpr Layout kLayouts[] = {Layout::kContiguous, Layout::kZigzag, Layout::kStripe};
+constexpr int kWorlds[] = {1, 2, 3, 4, 8};
+
+// Under mpiexec the strategy cases run over MPI ranks (those whose world size is the job's) and the
+// inproc-only tests skip.
+bool under_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+}
+
+Communicator* mpi_comm() {
+  static const std::unique_ptr<Communicator> world = [] {
+    std::unique_ptr<Communicator> w = under_mpi() ? mpi_world() : nullptr;
+    if (w) w->set_timeout(seconds(60));
+    return w;
+  }();
+  return world.get();
+}
+
+#define SKIP_UNDER_MPI() \
+  if (mpi_comm()) GTEST_SKIP() << "inproc only"
+
+// ---- layouts --------------------------------------------------------------------------------
+
+TEST(Layout, Names) {
+  EXPECT_STREQ(layout_name(Layout::kContiguous), "contiguous");
+  EXPECT_STREQ(layout_name(Layout::kZigzag), "zigzag");
+  EXPECT_STREQ(layout_name(Layout::kStripe), "stripe");
+}
+
+TEST(Layout, EveryPositionExactlyOnce) {
+  for (Layout layout : kLayouts)
+    for (int64_t seqlen : {0, 1, 2, 5, 7, 17, 203, 1013, 4097})
+      for (int world : {1, 2, 3, 4, 5, 7, 8, 16}) {
+        std::vector<int> seen(static_cast<size_t>(seqlen), 0);
+        int64_t rows = 0;
+        for (int r = 0; r < world; ++r) {
+          const Shard shard = shard_of(layout, seqlen, r, world);
+          for (const Piece& piece : shard) EXPECT_GT(piece.count, 0) << "pieces are never empty";
+          const std::vector<int64_t> positions = shard_positions(shard);
+          ASSERT_EQ(static_cast<int64_t>(positions.size()), shard_rows(shard));
+          rows += shard_rows(shard);
+          for (int64_t p : positions) {
+            ASSERT_GE(p, 0);
+            ASSERT_LT(p, seqlen);
+            ++seen[p];
+          }
+        }
+        EXPECT_EQ(rows, seqlen);
+        for (int64_t p = 0; p < seqlen; ++p)
+          ASSERT_EQ(seen[p], 1) << layout_name(layout) << " S=" << seqlen << " P=" << world << " position " << p;
+      }
+}
+
+TEST(Layout, ContiguousGivesTheFirstRanksOneRowMore) {
+  for (int64_t seqlen : {0, 3, 203, 1013})
+    for (int world : {1, 2, 3, 4, 8}) {
+      int64_t next = 0;
+      for (int r = 0; r < world; ++r) {
+        const Shard shard = shard_of(Layout::kContiguous, seqlen, r, world);
+        const int64_t want = seqlen / world + (r < seqlen % world ? 1 : 0);
+        EXPECT_EQ(shard_rows(shard), want) << "S=" << seqlen << " P=" << world << " rank " << r;
+        if (want == 0) {
+          EXPECT_TRUE(shard.empty());
+          continue;
+        }
+        ASSERT_EQ(shard.size(), 1u);
+        EXPECT_EQ(shard[0].start, next);
+        EXPECT_EQ(shard[0].stride, 1);
+        next += want;
+      }
+    }
+}
+
+TEST(Layout, ZigzagHoldsChunksRAnd2PMinus1MinusR) {
+  // S = 10 over 2P = 4 chunks of 3, 3, 2, 2 positions.
+  const Shard r0 = shard_of(Layout::kZigzag, 10, 0, 2), r1 = shard_of(Layout::kZigzag, 10, 1, 2);
+  EXPECT_EQ(shard_positions(r0), (std::vector<int64_t>{0, 1, 2, 8, 9}));
+  EXPECT_EQ(shard_positions(r1), (std::vector<int64_t>{3, 4, 5, 6, 7}));
+  // S = 1013 over 2P = 8 chunks: the first 5 of 127 positions, the last 3 of 126.
+  const Shard r3 = shard_of(Layout::kZigzag, 1013, 3, 4), z0 = shard_of(Layout::kZigzag, 1013, 0, 4);
+  ASSERT_EQ(r3.size(), 2u);
+  EXPECT_EQ(r3[0].start, 3 * 127);
+  EXPECT_EQ(r3[0].count, 127);
+  EXPECT_EQ(r3[1].start, 4 * 127);
+  EXPECT_EQ(r3[1].count, 127);
+  ASSERT_EQ(z0.size(), 2u);
+  EXPECT_EQ(z0[1].start, 5 * 127 + 2 * 126);
+  EXPECT_EQ(z0[1].count, 126);
+  // Shorter than 2P: the last ranks hold nothing, rank 0 holds chunk 0 only.
+  EXPECT_EQ(shard_positions(shard_of(Layout::kZigzag, 3, 0, 4)), (std::vector<int64_t>{0}));
+  EXPECT_TRUE(shard_of(Layout::kZigzag, 3, 3, 4).empty());
+}
+
+TEST(Layout, StripeIsOnePieceOfStrideP) {
+  const Shard s = shard_of(Layout::kStripe, 10, 1, 4);
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].stride, 4);
+  EXPECT_EQ(shard_positions(s), (std::vector<int64_t>{1, 5, 9}));
+  EXPECT_EQ(shard_positions(shard_of(Layout::kStripe, 10, 3, 4)), (std::vector<int64_t>{3, 7}));
+  EXPECT_TRUE(shard_of(Layout::kStripe, 2, 3, 4).empty());
+}
+
+TEST(Layout, HybridCutsEachRingShardAmongTheUlyssesRanks) {
+  for (Layout layout : kLayouts)
+    for (int64_t seqlen : {0, 5, 203, 1013})
+      for (auto [ring, uly] : {std::pair{4, 1}, {2, 2}, {1, 4}, {4, 2}, {2, 4}, {3, 3}}) {
+        std::vector<int> seen(static_cast<size_t>(seqlen), 0);
+        for (int r = 0; r < ring; ++r) {
+          const std::vector<int64_t> ring_positions = shard_positions(shard_of(layout, seqlen, r, ring));
+          std::vector<int64_t> joined;
+          for (int u = 0; u < uly; ++u) {
+            const std::vector<int64_t> part = shard_positions(hybrid_shard(layout, seqlen, r, ring, u, uly));
+            const int64_t n = static_cast<int64_t>(ring_positions.size());
+            EXPECT_EQ(static_cast<int64_t>(part.size()), n / uly + (u < n % uly ? 1 : 0));
+            joined.insert(joined.end(), part.begin(), part.end());
+            for (int64_t p : part) ++seen[p];
+          }
+          EXPECT_EQ(joined, ring_positions) << "the ulysses parts, in order, make up the ring shard";
+        }
+        for (int64_t p = 0; p < seqlen; ++p) ASSERT_EQ(seen[p], 1);
+      }
+}
+
+TEST(Layout, SubShardSplitsPieces) {
+  const Shard zig = shard_of(Layout::kZigzag, 20, 1, 2);  // positions 5..9 and 10..14
+  const Shard sub = sub_shard(zig, 3, 4);
+  EXPECT_EQ(shard_positions(sub), (std::vector<int64_t>{8, 9, 10, 11}));
+  EXPECT_EQ(sub.size(), 2u);
+  EXPECT_TRUE(sub_shard(zig, 10, 0).empty());
+  const Shard stripe = sub_shard(shard_of(Layout::kStripe, 20, 2, 4), 1, 3);
+  ASSERT_EQ(stripe.size(), 1u);
+  EXPECT_EQ(stripe[0].stride, 4);
+  EXPECT_EQ(shard_positions(stripe), (std::vector<int64_t>{6, 10, 14}));
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, sub_shard(zig, 8, 3), "sub_shard", "10 rows");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, sub_shard(zig, -1, 1), "sub_shard");
+}
+
+TEST(Layout, RejectsBadRanks) {
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, shard_of(Layout::kZigzag, 10, 2, 2), "shard_of", "rank", "got 2");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, shard_of(Layout::kContiguous, 10, 0, 0), "shard_of", "world", "got 0");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, shard_of(Layout::kStripe, -1, 0, 1), "shard_of", "seqlen", "got -1");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, hybrid_shard(Layout::kZigzag, 10, 0, 2, 3, 2), "hybrid_shard",
+                         "ulysses_rank");
+}
+
+TEST(Layout, LocalCuSeqlensSkipsEmptyDocuments) {
+  const std::vector<int32_t> cu{0, 57, 57, 187, 188, 205};  // documents of 57, 0, 130, 1, 17
+  std::vector<Shard> shards;
+  const std::vector<int32_t> local =
+      local_cu_seqlens(cu, [](int64_t n) { return shard_of(Layout::kZigzag, n, 1, 3); }, &shards);
+  ASSERT_EQ(shards.size(), 5u);
+  std::vector<int32_t> want{0};
+  for (size_t b = 0; b < shards.size(); ++b) {
+    EXPECT_EQ(shard_rows(shards[b]), shard_rows(shard_of(Layout::kZigzag, cu[b + 1] - cu[b], 1, 3)));
+    want.push_back(want.back() + static_cast<int32_t>(shard_rows(shards[b])));
+  }
+  EXPECT_EQ(local, want);
+  EXPECT_TRUE(shards[1].empty());
+}
+
+// ---- every strategy against the reference --------------------------------------------------
+
+// A packed batch with an empty document and one of length 1.
+std::vector<int64_t> packed_docs() { return {57, 0, 130, 1, 17}; }
+
+// Ulysses ranks per group for hybrid in the main matrix (every factorisation of 4 and 8 runs in
+// HybridFactorisations).
+int default_ulysses(int world) { return world == 2 || world == 4 || world == 8 ? 2 : 1; }
+
+ParallelCase make_case(Strategy strategy, bool backward, MaskKind mask, int64_t heads_q, int64_t heads_kv, int world) {
+  ParallelCase c;
+  c.strategy = strategy;
+  c.backward = backward;
+  c.mask = mask;
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  c.world = world;
+  c.ulysses = strategy == Strategy::kHybrid ? default_ulysses(world) : 1;
+  return c;
+}
+
+struct Heads {
+  int64_t q, kv;
+};
+constexpr Heads kHeads[] = {{4, 4}, {8, 2}, {4, 1}};  // MHA, GQA 4:1, MQA
+
+// Strategy x direction x {causal, none, window} x {MHA, GQA 4:1, MQA} x world sizes, fp32, a
+// padded batch of 2 x 203 positions (uneven for every world size). The problem varies slowest, so
+// its reference is computed once for all strategies and world sizes.
+std::vector<ParallelCase> matrix_cases() {
+  std::vector<ParallelCase> cases;
+  for (bool backward : {false, true})
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone, MaskKind::kWindow})
+      for (Heads h : kHeads)
+        for (Strategy strategy : kStrategies)
+          for (int world : kWorlds) cases.push_back(make_case(strategy, backward, mask, h.q, h.kv, world));
+  return cases;
+}
+
+// Shapes that break things: lengths 1013 and 4097 (cheap: 2 q heads, 1 k/v head, D = 8), lengths
+// below the world size (empty shards), a packed batch with an empty document and one of length 1.
+std::vector<ParallelCase> shape_cases() {
+  std::vector<ParallelCase> cases;
+  for (bool backward : {false, true}) {
+    for (auto [seqlen, worlds] : {std::pair{int64_t{1013}, std::vector<int>{3, 8}}, {int64_t{4097}, {4}}})
+      for (Strategy strategy : kStrategies)
+        for (int world : worlds) {
+          ParallelCase c = make_case(strategy, backward, MaskKind::kCausal, 2, 1, world);
+          c.head_dim = 8;
+          c.batch = 1;
+          c.seqlen = seqlen;
+          cases.push_back(c);
+        }
+    for (auto [seqlen, world] : {std::pair{int64_t{5}, 8}, {int64_t{1}, 3}})
+      for (Strategy strategy : kStrategies) {
+        ParallelCase c = make_case(strategy, backward, MaskKind::kCausal, 4, 1, world);
+        c.seqlen = seqlen;
+        cases.push_back(c);
+      }
+    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kWindow})
+      for (Strategy strategy : kStrategies)
+        for (int world : {3, 4}) {
+          ParallelCase c = make_case(strategy, backward, mask, 4, 1, world);
+          c.docs = packed_docs();
+          cases.push_back(c);
+        }
+  }
+  return cases;
+}
+
+// A causal sliding window narrower than a shard: ring stops after the steps it needs.
+std::vector<ParallelCase> sliding_window_cases() {
+  std::vector<ParallelCase> cases;
+  for (bool backward : {false, true})
+    for (Strategy strategy : kStrategies)
+      for (int world : {2, 4, 8}) {
+        ParallelCase c = make_case(strategy, backward, MaskKind::kCausalWindow, 4, 1, world);
+        c.window_left = 20;
+        cases.push_back(c);
+      }
+  return cases;
+}
+
+// Options, one bf16 variant and strided tensors per strategy; allgather in slices of heads.
+std::vector<ParallelCase> option_cases() {
+  std::vector<ParallelCase> cases;
+  for (bool backward : {false, true})
+    for (Strategy strategy : kStrategies) {
+      ParallelCase o = make_case(strategy, backward, MaskKind::kCausal, 4, 2, 3);
+      o.softcap = 5.0f;
+      o.softmax_scale = 0.3f;
+      o.alibi = strategy != Strategy::kStripe;  // stripe refuses ALiBi (StripeRefusesAlibi)
+      cases.push_back(o);
+      ParallelCase bf16 = make_case(strategy, backward, MaskKind::kCausal, 8, 2, 4);
+      bf16.dtype = DType::kBFloat16;
+      cases.push_back(bf16);
+      ParallelCase strided = make_case(strategy, backward, MaskKind::kCausal, 4, 4, 4);
+      strided.strided = true;
+      cases.push_back(strided);
+    }
+  for (bool backward : {false, true})
+    for (bool packed : {false, true}) {
+      ParallelCase c = make_case(Strategy::kAllGather, backward, MaskKind::kCausal, 8, 2, 3);
+      c.options.kv_heads_per_gather = 1;
+      if (packed) c.docs = packed_docs();
+      cases.push_back(c);
+    }
+  return cases;
+}
+
+// Hybrid over every factorisation of P = 4 and P = 8, and each ring layout.
+std::vector<ParallelCase> hybrid_cases() {
+  std::vector<ParallelCase> cases;
+  for (bool backward : {false, true}) {
+    for (auto [world, uly] : {std::pair{4, 1}, {4, 2}, {4, 4}, {8, 1}, {8, 2}, {8, 4}, {8, 8}}) {
+      ParallelCase c = make_case(Strategy::kHybrid, backward, MaskKind::kCausal, 8, 2, world);
+      c.ulysses = uly;
+      cases.push_back(c);
+    }
+    for (Layout layout : {Layout::kContiguous, Layout::kStripe}) {
+      ParallelCase c = make_case(Strategy::kHybrid, backward, MaskKind::kCausal, 8, 2, 4);
+      c.options.hybrid_ring_layout = layout;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+std::string case_name(const ::testing::TestParamInfo<ParallelCase>& info) { return info.param.name(); }
+
+class Strategies : public ::testing::TestWithParam<ParallelCase> {};
+
+TEST_P(Strategies, MatchReference) {
+  const ParallelCase& c = GetParam();
+  if (Communicator* world = mpi_comm()) {
+    if (c.world != world->size()) GTEST_SKIP() << "world size " << c.world << ", the MPI job has " << world->size();
+    run_parallel_case(*world, c);
+  } else {
+    run_inproc_case(c);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, Strategies, ::testing::ValuesIn(matrix_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, Strategies, ::testing::ValuesIn(shape_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(SlidingWindow, Strategies, ::testing::ValuesIn(sliding_window_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Options, Strategies, ::testing::ValuesIn(option_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(HybridFactorisations, Strategies, ::testing::ValuesIn(hybrid_cases()), case_name);
+
+// ---- bad input on some ranks: the same error on every rank, no hang -------------------------
+
+constexpr milliseconds kShortDeadline = seconds(5);
+
+// Runs `call(rank, comm)` on `world` inproc ranks with a short deadline and expects every rank to
+// throw ErrorType with every substring in its message.
+template <typename ErrorType, typename Fn>
+void expect_on_every_rank(int world, Fn&& call, std::initializer_list<std::string> substrings) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::exception_ptr> errors =
+      run_inproc_collect(world, [&](Communicator& comm) { call(comm.rank(), comm); }, kShortDeadline);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, kShortDeadline) << "the ranks waited out the deadline";
+  ASSERT_EQ(errors.size(), static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    expect_error<ErrorType>([&] { if (errors[r]) std::rethrow_exception(errors[r]); }, substrings, __FILE__, __LINE__);
+  }
+}
+
+ParallelCase small_case(Strategy strategy = Strategy::kRing) {
+  ParallelCase c = make_case(strategy, false, MaskKind::kCausal, 4, 2, 3);
+  c.seqlen = 40;
+  return c;
+}
+
+// Rank `rank`'s call of case `c` on `comm` (its own shard of the reference inputs).
+void call_case(const ParallelCase& c, Communicator& comm) {
+  const ParallelGroup group{&comm};
+  RankProblem problem(c, group, *expected_for(c));
+  problem.run();
+}
+
+TEST(ParallelErrors, HeadsDifferOnOneRank) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      3,
+      [](int rank, Communicator& comm) {
+        ParallelCase c = small_case();
+        if (rank == 1) c.heads_q = 8;
+        call_case(c, comm);
+      },
+      {"[ring]", "number of q heads differs across ranks", "rank 0 has 4", "rank 1 has 8"});
+}
+
+TEST(ParallelErrors, OptionDiffersOnOneRank) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      4,
+      [](int rank, Communicator& comm) {
+        ParallelCase c = small_case(Strategy::kZigzag);
+        if (rank == 3) c.mask = MaskKind::kNone;
+        call_case(c, comm);
+      },
+      {"[zigzag]", "causal differs across ranks", "rank 3 has 0"});
+}
+
+TEST(ParallelErrors, RowsDoNotMatchTheLayout) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      3,
+      [](int rank, Communicator& comm) {
+        ParallelCase c = small_case(Strategy::kStripe);
+        if (rank == 2) c.seqlen = 43;  // one row more than the stripe layout of 40 gives rank 2
+        call_case(c, comm);
+      },
+      {"[stripe]", "rows", "stripe layout of 41 positions"});
+}
+
+TEST(ParallelErrors, LocalErrorOnOneRankReachesEveryRank) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      3,
+      [](int rank, Communicator& comm) {
+        const ParallelCase c = small_case();
+        RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
+        if (rank == 2) problem.lse = HostTensor::empty(DType::kFloat16, problem.lse.shape());
+        problem.run();
+      },
+      {"[ring] lse must have dtype float32, got float16", "(on rank 2 of 3)"});
+}
+
+TEST(ParallelErrors, PositionsComeFromTheLayout) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      2,
+      [](int, Communicator& comm) {
+        const ParallelCase c = small_case();
+        RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
+        AttentionParams p = problem.params();
+        p.q_offset = 5;
+        parallel_attention_forward(Strategy::kRing, ParallelGroup{&comm}, problem.q.view(), problem.k.view(),
+                                   problem.v.view(), problem.out.view(), problem.lse.view(), p);
+      },
+      {"[ring]", "q_offset", "must be left unset"});
+}
+
+TEST(ParallelErrors, StripeRefusesAlibi) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<NotSupported>(
+      2,
+      [](int, Communicator& comm) {
+        ParallelCase c = small_case(Strategy::kStripe);
+        c.alibi = true;
+        call_case(c, comm);
+      },
+      {"[stripe]", "alibi_slopes", "stripe"});
+}
+
+TEST(ParallelErrors, PackedCuSeqlensKMustEqualQ) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      2,
+      [](int, Communicator& comm) {
+        ParallelCase c = small_case(Strategy::kZigzag);
+        c.docs = std::vector<int64_t>{20, 0, 13};
+        RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
+        AttentionParams p = problem.params();
+        std::vector<int32_t> other{0, 20, 21, 33};
+        p.cu_seqlens_k = TensorView(other.data(), DType::kInt32, Device{}, {4});
+        parallel_attention_forward(Strategy::kZigzag, ParallelGroup{&comm}, problem.q.view(), problem.k.view(),
+                                   problem.v.view(), problem.out.view(), problem.lse.view(), p);
+      },
+      {"[zigzag]", "cu_seqlens_k must be unset or equal to cu_seqlens_q"});
+}
+
+// ---- failing ranks ------------------------------------------------------------------------
+
+TEST(ParallelFaults, RankThrowsBeforeItsFirstSend) {
+  SKIP_UNDER_MPI();
+  const ParallelCase c = small_case(Strategy::kZigzag);
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<std::exception_ptr> errors = run_inproc_collect(
+      4,
+      [&](Communicator& comm) {
+        if (comm.rank() == 1) throw std::runtime_error("rank 1 gives up");
+        call_case(c, comm);
+      },
+      kShortDeadline);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, kShortDeadline);
+  for (int r = 0; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    ASSERT_TRUE(errors[r]);
+    if (r != 1) {
+      expect_error<CommError>([&] { std::rethrow_exception(errors[r]); }, {}, __FILE__, __LINE__);
+      continue;
+    }
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::runtime_error& e) {
+      EXPECT_STREQ(e.what(), "rank 1 gives up");
+    }
+  }
+}
+
+// Forwards to another communicator, except that one rank's first send_recv throws: a rank that
+// fails inside the strategy, after the validation.
+class FailingSend : public Communicator {
+ public:
+  FailingSend(Communicator& inner, int failing_rank) : inner_(inner), failing_(failing_rank) {
+    set_timeout(inner.timeout());
+  }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  std::string transport() const override { return inner_.transport(); }
+  std::unique_ptr<Communicator> split(int color, int key) override { return inner_.split(color, key); }
+  std::unique_ptr<CommRequest> send_recv(const std::vector<P2POp>& ops) override {
+    if (rank() == failing_) throw CommError("[send_recv] injected failure");
+    return inner_.send_recv(ops);
+  }
+  void all_to_all(const void* send, const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
+                  void* recv, const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets) override {
+    inner_.all_to_all(send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
+  }
+  void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
+    inner_.all_gather(send, recv, bytes);
+  }
+  void reduce_scatter(const float* send, float* recv, const std::vector<size_t>& counts) override {
+    inner_.reduce_scatter(send, recv, counts);
+  }
+  void barrier() override { inner_.barrier(); }
+  void fail(const std::string& reason) override { inner_.fail(reason); }
+
+ private:
+  Communicator& inner_;
+  int failing_;
+};
+
+TEST(ParallelFaults, RankFailsInsideTheRing) {
+  SKIP_UNDER_MPI();
+  for (bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    ParallelCase c = small_case(Strategy::kRing);
+    c.backward = backward;
+    const auto start = std::chrono::steady_clock::now();
+    const std::vector<std::exception_ptr> errors = run_inproc_collect(
+        3,
+        [&](Communicator& comm) {
+          FailingSend failing(comm, 2);
+          call_case(c, failing);
+        },
+        kShortDeadline);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, kShortDeadline);
+    for (int r = 0; r < 3; ++r) {
+      SCOPED_TRACE("rank " + std::to_string(r));
+      ASSERT_TRUE(errors[r]);
+      expect_error<CommError>([&] { std::rethrow_exception(errors[r]); }, {r == 2 ? "injected" : ""}, __FILE__,
+                              __LINE__);
+    }
+  }
+}
+
+// ---- transfers that a window makes unnecessary are skipped --------------------------------
+
+// Bytes rank 0 sends in a ring forward over 4 ranks of S = 400 (100 rows each).
+uint64_t ring_bytes_sent(MaskKind mask) {
+  ParallelCase c = make_case(Strategy::kRing, false, mask, 4, 2, 4);
+  c.seqlen = 400;
+  c.batch = 1;
+  c.window_left = 10;
+  uint64_t bytes = 0;
+  run_inproc(4, [&](Communicator& comm) {
+    RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
+    comm.reset_stats();
+    problem.run();
+    if (comm.rank() == 0) bytes = comm.stats().bytes_sent;
+  });
+  return bytes;
+}
+
+TEST(ParallelTransfers, WindowSkipsFartherSteps) {
+  SKIP_UNDER_MPI();
+  const uint64_t causal = ring_bytes_sent(MaskKind::kCausal), sliding = ring_bytes_sent(MaskKind::kCausalWindow);
+  // A window of 10 behind each query needs only the previous rank's K/V: one step instead of three.
+  const uint64_t kv_step = 2 * 100 * 2 * 16 * sizeof(float);  // K and V: 100 rows x 2 heads x 16
+  EXPECT_EQ(causal - sliding, 2 * kv_step) << "causal " << causal << " bytes, sliding window " << sliding;
+}
+
+}  // namespace
+}  // namespace ringflash::test
