@@ -88,7 +88,7 @@ inline void rank_order_to_joined(const RowPlan& plan, const char* src, size_t ro
   });
 }
 
-// Joined order -> rank order (the inverse of rank_order_to_joined), as reduce_scatter takes it.
+// Joined order -> rank order (the inverse of rank_order_to_joined), as a reduce-scatter sends it.
 inline void joined_to_rank_order(const RowPlan& plan, const char* src, size_t row_bytes, char* dst) {
   for_each_run(plan, [&](int j, int64_t local, int64_t joined, int64_t rows) {
     std::memcpy(dst + (plan.rank_first[j] + local) * row_bytes, src + joined * row_bytes, rows * row_bytes);
