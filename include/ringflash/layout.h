@@ -17,6 +17,7 @@
 // by P or 2P, and a shard may be empty.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

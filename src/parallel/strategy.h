@@ -33,7 +33,9 @@ struct Problem {
 };
 
 // ring, zigzag and stripe: K/V travel around `comm` while each rank's queries stay; this rank's
-// rows of every sequence are shard_of(layout, length, comm.rank(), comm.size()).
+// rows of every sequence are shard_of(layout, length, comm.rank(), comm.size()). Gradients are
+// written in the dtypes of dq, dk, dv; fp32 ones are never rounded to a narrower type on the way
+// (hybrid relies on this to round replicated K/V-head gradients only once).
 void ring_forward(Communicator& comm, Layout layout, const Problem& p);
 void ring_backward(Communicator& comm, Layout layout, const Problem& p);
 
