@@ -141,38 +141,72 @@ double max_row_diff(const TensorView& global, const std::vector<int64_t>& positi
   return worst;
 }
 
-// Bytes one rank must send per forward + backward at the least, for S/P rows per rank: K/V (and
-// for ulysses Q, O, dO) must reach the ranks that use them, and gradient partials must come home.
+// Whether some query of rows [qa, qb) sees some key of rows [ka, kb) under the bench's mask.
+bool sees(const Options& o, int64_t qa, int64_t qb, int64_t ka, int64_t kb) {
+  if (qa >= qb || ka >= kb) return false;
+  const int64_t right = o.causal ? 0 : o.window;  // -1: unbounded
+  const bool below = right < 0 || ka <= qb - 1 + right;
+  const bool above = o.window < 0 || kb - 1 >= qa - o.window;
+  return below && above;
+}
+
+// Bytes the busiest rank must send per forward + backward at the least, with contiguous shards of
+// S/P rows (the other layouts move the same amounts): K/V (and for ulysses Q, O, dO) must reach
+// the ranks whose queries see them, and gradient partials must come home.
 double analytic_bytes(Strategy s, const Options& o, int world, int ulysses) {
-  const double p = world, e = static_cast<double>(ringflash::dtype_size(parse_dtype(o.dtype)));
-  const double rows = static_cast<double>(o.seqlen) / p, d = static_cast<double>(o.hdim);
-  const double kv = rows * o.kv_heads * d;  // elements of this rank's K (or V)
-  const double q = rows * o.heads * d;
+  const double e = static_cast<double>(ringflash::dtype_size(parse_dtype(o.dtype))), d = static_cast<double>(o.hdim);
+  const auto rows_of = [&](int r, int p) { return std::make_pair(o.seqlen * r / p, o.seqlen * (r + 1) / p); };
+  // One block's K or V, and its fp32 gradient partial, in bytes, for P ranks and `heads` K/V heads.
+  const auto block = [&](int p, double heads, double elt) { return static_cast<double>(o.seqlen) / p * heads * d * elt; };
+  // Ring family: K/V (forward and backward) and dK/dV partials travel as many hops as the farthest
+  // block any rank needs.
+  const auto ring = [&](int p, double heads) {
+    int hops = 0;
+    for (int q = 0; q < p; ++q)
+      for (int i = 1; i < p; ++i) {
+        const auto [qa, qb] = rows_of(q, p);
+        const auto [ka, kb] = rows_of((q - i + p) % p, p);
+        if (sees(o, qa, qb, ka, kb) || o.window < 0) hops = std::max(hops, i);
+      }
+    return hops * (2 * 2 * block(p, heads, e) + 2 * block(p, heads, 4));
+  };
+  const double share = (static_cast<double>(world) - 1) / world;
   switch (s) {
     case Strategy::kRing:
     case Strategy::kZigzag:
     case Strategy::kStripe:
-    case Strategy::kAllGather:
-      // K, V to P - 1 ranks (forward and again in backward), dK, dV partials (fp32) from them.
-      return (p - 1) * (2 * kv * e * 2 + 2 * kv * 4);
+      return ring(world, static_cast<double>(o.kv_heads));
+    case Strategy::kAllGather: {
+      double busiest = 0;
+      for (int r = 0; r < world; ++r) {
+        double sent = 0;
+        const auto [ra, rb] = rows_of(r, world);
+        for (int q = 0; q < world; ++q) {
+          if (q == r) continue;
+          const auto [qa, qb] = rows_of(q, world);
+          if (sees(o, qa, qb, ra, rb)) sent += 2 * 2 * block(world, static_cast<double>(o.kv_heads), e);  // K, V to q
+          if (sees(o, ra, rb, qa, qb)) sent += 2 * block(world, static_cast<double>(o.kv_heads), 4);  // dK, dV of q
+        }
+        busiest = std::max(busiest, sent);
+      }
+      return busiest;
+    }
     case Strategy::kUlysses: {
-      // (P - 1) / P of every shard changes hands: forward q, k, v in, out back; backward q, k, v,
-      // out, dout, lse in, dq, dk, dv back (K/V heads replicated when P > H_kv).
-      const double kv_heads = std::max<double>(o.kv_heads, p);
-      const double kvr = rows * kv_heads * d, share = (p - 1) / p;
-      const double forward = (2 * q + 2 * kvr) * e;
-      const double backward = (4 * q + 2 * kvr + 2 * kvr) * e + rows * o.heads * 4;
-      return share * (forward + backward);
+      // (P - 1) / P of every shard changes hands: forward q, k, v in and out back; backward q, k,
+      // v, out, dout, lse in and dq, dk, dv back (K/V heads replicated when P > H_kv).
+      const double kv_heads = std::max<double>(static_cast<double>(o.kv_heads), world);
+      const double q = block(world, static_cast<double>(o.heads), e), kv = block(world, kv_heads, e);
+      return share * ((2 * q + 2 * kv) + (4 * q + 4 * kv) + block(world, static_cast<double>(o.heads), 4) / d);
     }
     case Strategy::kHybrid: {
-      const double u = ulysses, r = p / ulysses, share = (u - 1) / u;
-      const double kv_heads = std::max<double>(o.kv_heads, u);
-      const double kvr = rows * kv_heads * d;
-      const double ulysses_part = share * ((2 * q + 2 * kvr) * e + (4 * q + 4 * kvr) * e + rows * o.heads * 4);
-      // The ring part moves this rank's share of its ring shard's K/V: rows * U rows, H_kv / U heads.
-      const double ring_kv = kvr;
-      const double ring_part = (r - 1) * (2 * ring_kv * e * 2 + 2 * ring_kv * 4);
-      return ulysses_part + ring_part;
+      const int r = world / ulysses;
+      const double u_share = (ulysses - 1.0) / ulysses;
+      const double kv_heads = std::max<double>(static_cast<double>(o.kv_heads), ulysses);
+      const double q = block(world, static_cast<double>(o.heads), e), kv = block(world, kv_heads, e);
+      const double ulysses_part = u_share * ((2 * q + 2 * kv) + (4 * q + 4 * kv) + block(world, static_cast<double>(o.heads), 4) / d);
+      // The ring part moves blocks of S/R rows with H_kv/U heads: the same bytes per rank as a
+      // ring over R ranks with H_kv/U heads.
+      return ulysses_part + ring(r, kv_heads / ulysses);
     }
   }
   return 0;
