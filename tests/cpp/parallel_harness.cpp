@@ -360,7 +360,7 @@ int64_t sum_over_ranks(Communicator& comm, int64_t count) {
   return total;
 }
 
-void run_parallel_case(Communicator& world, const ParallelCase& c) {
+void run_parallel_case(Communicator& world, const ParallelCase& c, Communicator* verdict) {
   const std::string rank = "rank " + std::to_string(world.rank()) + " of " + std::to_string(world.size());
   std::vector<std::string> failures;
   try {
@@ -386,7 +386,7 @@ void run_parallel_case(Communicator& world, const ParallelCase& c) {
   int64_t total = -1;
   std::string verdict_error;
   try {
-    total = sum_over_ranks(world, static_cast<int64_t>(failures.size()));
+    total = sum_over_ranks(verdict ? *verdict : world, static_cast<int64_t>(failures.size()));
   } catch (const std::exception& e) {
     verdict_error = std::string("the verdict exchange threw: ") + e.what();
   }

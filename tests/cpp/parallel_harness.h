@@ -134,8 +134,10 @@ std::shared_ptr<const Expected> expected_for(const ParallelCase& c);
 // The sum over the ranks of `comm` of `count`, the same on every rank.
 int64_t sum_over_ranks(Communicator& comm, int64_t count);
 
-// Every rank of `world` calls this: runs the case and asserts the agreed verdict.
-void run_parallel_case(Communicator& world, const ParallelCase& c);
+// Every rank of `world` calls this: runs the case and asserts the agreed verdict. The verdict is
+// exchanged on `verdict` (default: `world`); a communicator of another failure domain (a second
+// mpi_world()) keeps it intact when the strategy fails its communicators.
+void run_parallel_case(Communicator& world, const ParallelCase& c, Communicator* verdict = nullptr);
 // Runs the case on c.world inproc ranks.
 void run_inproc_case(const ParallelCase& c, std::chrono::milliseconds timeout = std::chrono::seconds(60));
 

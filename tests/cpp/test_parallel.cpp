@@ -32,17 +32,22 @@ bool under_mpi() {
   return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
 }
 
-Communicator* mpi_comm() {
-  static const std::unique_ptr<Communicator> world = [] {
-    std::unique_ptr<Communicator> w = under_mpi() ? mpi_world() : nullptr;
-    if (w) w->set_timeout(seconds(60));
-    return w;
-  }();
-  return world.get();
+// The size of the MPI job, or 0 when not under mpiexec.
+int mpi_size() {
+  static const int size = under_mpi() ? mpi_world()->size() : 0;
+  return size;
+}
+
+// A fresh communicator over the MPI job: its own failure domain, so a case that fails its
+// communicators leaves the next cases unharmed.
+std::unique_ptr<Communicator> fresh_mpi_world() {
+  std::unique_ptr<Communicator> world = mpi_world();
+  world->set_timeout(seconds(60));
+  return world;
 }
 
 #define SKIP_UNDER_MPI() \
-  if (mpi_comm()) GTEST_SKIP() << "inproc only"
+  if (mpi_size() > 0) GTEST_SKIP() << "inproc only"
 
 // ---- layouts --------------------------------------------------------------------------------
 
@@ -317,9 +322,10 @@ class Strategies : public ::testing::TestWithParam<ParallelCase> {};
 
 TEST_P(Strategies, MatchReference) {
   const ParallelCase& c = GetParam();
-  if (Communicator* world = mpi_comm()) {
-    if (c.world != world->size()) GTEST_SKIP() << "world size " << c.world << ", the MPI job has " << world->size();
-    run_parallel_case(*world, c);
+  if (mpi_size() > 0) {
+    if (c.world != mpi_size()) GTEST_SKIP() << "world size " << c.world << ", the MPI job has " << mpi_size();
+    const std::unique_ptr<Communicator> work = fresh_mpi_world(), verdict = fresh_mpi_world();
+    run_parallel_case(*work, c, verdict.get());
   } else {
     run_inproc_case(c);
   }
