@@ -2,10 +2,10 @@
 //
 // Pieces with no rows are left out, so every piece of a shard has count >= 1 and an empty shard
 // is an empty list.
-#include <algorithm>
-#include <cstddef>  // layout.h uses size_t without including it
-
 #include "ringflash/layout.h"
+
+#include <algorithm>
+#include <utility>
 
 #include "../core/check.h"
 
