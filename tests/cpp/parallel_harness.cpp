@@ -1,5 +1,6 @@
 #include "parallel_harness.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <mutex>
@@ -94,7 +95,7 @@ std::string ParallelCase::problem() const {
   } else {
     s << "_b" << batch << "_s" << seqlen;
   }
-  if (alibi) s << "_alibi";
+  if (alibi) s << (alibi_per_sequence ? "_alibiseq" : "_alibi");
   if (softcap > 0) s << "_softcap";
   if (softmax_scale) s << "_scale";
   return s.str();
@@ -135,7 +136,8 @@ std::vector<RefSequence> case_inputs(const ParallelCase& c) {
     s.dout = normal_values(rng, s.len_q * c.heads_q * c.head_dim, c.dtype);
     if (c.alibi)
       for (int64_t h = 0; h < c.heads_q; ++h)  // the ALiBi paper's geometric slopes, as fp32
-        s.slopes.push_back(static_cast<float>(std::exp2(-8.0 * (h + 1) / c.heads_q)));
+        s.slopes.push_back(static_cast<float>(std::exp2(-8.0 * (h + 1) / c.heads_q) *
+                                              (c.alibi_per_sequence ? 1.0 + 0.25 * b : 1.0)));
     seqs.push_back(std::move(s));
   }
   return seqs;
@@ -202,7 +204,8 @@ RankProblem::RankProblem(const ParallelCase& c, const ParallelGroup& group, cons
   } else {
     rows_ = shard_rows(parallel_shard(c.strategy, group, c.options, c.seqlen));
   }
-  if (c.alibi) slopes_.assign(expected.seqs[0].slopes.begin(), expected.seqs[0].slopes.end());
+  for (int64_t b = 0; b < (c.alibi_per_sequence ? c.num_seqs() : std::min<int64_t>(c.num_seqs(), 1)); ++b)
+    slopes_.insert(slopes_.end(), expected.seqs[b].slopes.begin(), expected.seqs[b].slopes.end());
 
   q = make_rows(c.dtype, c.heads_q, kNaN);
   k = make_rows(c.dtype, c.heads_kv, kNaN);
@@ -253,7 +256,10 @@ AttentionParams RankProblem::params() {
   p.softcap = case_.softcap;
   p.softmax_scale = case_.softmax_scale;
   p.num_threads = 1;
-  if (case_.alibi) p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {case_.heads_q});
+  if (case_.alibi && case_.alibi_per_sequence)
+    p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {case_.num_seqs(), case_.heads_q});
+  else if (case_.alibi)
+    p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {case_.heads_q});
   if (case_.packed()) p.cu_seqlens_q = TensorView(cu_.data(), DType::kInt32, Device{}, {static_cast<int64_t>(cu_.size())});
   return p;
 }

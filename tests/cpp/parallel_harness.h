@@ -52,7 +52,8 @@ struct ParallelCase {
   int64_t seqlen = 203;
   std::vector<int64_t> docs;
   DType dtype = DType::kFloat32;
-  bool alibi = false;                  // per-head slopes
+  bool alibi = false;                  // ALiBi slopes (Hq) ...
+  bool alibi_per_sequence = false;     // ... or (B, Hq), different for every sequence
   float softcap = 0.0f;
   std::optional<float> softmax_scale;
   int world = 1;                       // ranks (inproc)

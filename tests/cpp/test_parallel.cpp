@@ -289,6 +289,14 @@ std::vector<ParallelCase> option_cases() {
       cases.push_back(strided);
     }
   for (bool backward : {false, true})
+    for (Strategy strategy : kStrategies)
+      if (strategy != Strategy::kStripe) {  // a packed batch with slopes per sequence
+        ParallelCase c = make_case(strategy, backward, MaskKind::kCausal, 4, 2, 3);
+        c.docs = packed_docs();
+        c.alibi = c.alibi_per_sequence = true;
+        cases.push_back(c);
+      }
+  for (bool backward : {false, true})
     for (bool packed : {false, true}) {
       ParallelCase c = make_case(Strategy::kAllGather, backward, MaskKind::kCausal, 8, 2, 3);
       c.options.kv_heads_per_gather = 1;
