@@ -11,8 +11,24 @@
 // Deadlines. Every wait ends by `timeout()` (default 5 minutes). When it passes, or a peer is
 // known to have failed, the wait throws CommError naming the operation and the peer, e.g.
 //   "[send_recv] rank 1 of 4: no message from rank 2 within 300 s".
+//   "[all_to_all] rank 0 of 4: no message from rank 2, which failed: <its reason>".
 // A rank whose call throws should let its communicator fail (fail(), or the transport's own
-// detection) so that its peers end with a CommError too instead of waiting out the deadline.
+// detection) so that its peers end with a CommError too instead of waiting out the deadline. A
+// wait that throws CommError has already failed its rank: the communicator, and every other one
+// of the same world, is then unusable on that rank (its calls throw CommError).
+//
+// Threads. A rank's communicators are used by one thread at a time (MPI_THREAD_SERIALIZED). A
+// CommRequest must complete or be destroyed before its communicator is destroyed.
+//
+// Transports:
+//   inproc  (run_inproc) ranks are threads. A rank that fails, throws out of run_inproc's fn, or
+//           returns from it is known to its peers at once: their waits on it fail without
+//           waiting out the deadline.
+//   mpi     (mpi_world) ranks are processes. fail() and failed waits tell the peers at once, over
+//           a control message. A process that returns early is seen only by the deadline, and
+//           one that exits without MPI_Finalize (crash, exit()) makes mpiexec end the whole job.
+// Both copy every send's payload when it is posted, so their send buffers are free at once;
+// code that should also run on other transports does not rely on that.
 #pragma once
 
 #include <chrono>
@@ -57,7 +73,9 @@ class Communicator {
   // "inproc" or "mpi".
   virtual std::string transport() const = 0;
 
-  // Ranks that pass the same `color` form a new communicator, ordered by (key, rank). Collective.
+  // Ranks that pass the same `color` (>= 0) form a new communicator, ordered by (key, rank), with
+  // this communicator's timeout. Collective; its deadline is this communicator's. The new
+  // communicator shares this one's failure state: a rank that fails on one fails on both.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   // Posts every op (group semantics: no op waits for another of the same call) and returns at
@@ -81,8 +99,9 @@ class Communicator {
 
   virtual void barrier();
 
-  // Marks this rank as failed: peers waiting on it fail with CommError at once. For a rank that
-  // will not take part any more (its own call threw).
+  // Marks this rank as failed on this communicator's world: peers waiting on it, on any
+  // communicator split from the same world, fail with CommError at once, naming `reason`. For a
+  // rank that will not take part any more (its own call threw). Never throws or waits.
   virtual void fail(const std::string& reason) = 0;
 
   std::chrono::milliseconds timeout() const { return timeout_; }
@@ -90,7 +109,9 @@ class Communicator {
 
   // What this rank has done on this communicator since it was made or last reset: payload bytes
   // it sent to other ranks (messages to itself not counted) and seconds spent inside waits
-  // (CommRequest::wait and the blocking collectives).
+  // (CommRequest::wait and the blocking collectives). Collectives count what their messages
+  // count: all_gather sends bytes[rank] to each other rank, reduce_scatter counts[j] floats to each
+  // other rank j; split counts its exchange of (color, key).
   struct Stats {
     uint64_t bytes_sent = 0;
     double wait_seconds = 0.0;
@@ -115,9 +136,12 @@ void run_inproc(int world_size, const std::function<void(Communicator& comm)>& f
 std::vector<std::exception_ptr> run_inproc_collect(int world_size, const std::function<void(Communicator& comm)>& fn,
                                                    std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
-// The world communicator of an MPI job (MPI_COMM_WORLD), initialising MPI on first use (with
-// MPI_THREAD_SERIALIZED) unless the program did. Throws NotSupported if this build has no MPI.
-// MPI is finalised at exit if ringflash initialised it.
+// The world communicator of an MPI job, initialising MPI on first use (asking for
+// MPI_THREAD_SERIALIZED, requiring at least MPI_THREAD_FUNNELED) unless the program did. Each call
+// returns a new communicator over its own duplicate of MPI_COMM_WORLD (the program's own messages
+// never mix with ringflash's), so it is collective: every process calls it, in the same order;
+// CommError if they have not all done so within 5 minutes. Throws NotSupported if this build has no
+// MPI. MPI is finalised at exit if ringflash initialised it.
 std::unique_ptr<Communicator> mpi_world();
 
 }  // namespace ringflash

@@ -168,11 +168,26 @@ TEST_P(Comm, SendRecvMatchesInPostingOrder) {
                      send_op(right, out[1].data(), sizes[1]), recv_op(left, in[1].data(), sizes[1])});
     std::unique_ptr<CommRequest> second =
         c.send_recv({recv_op(left, in[2].data(), sizes[2]), send_op(right, out[2].data(), sizes[2])});
-    if (c.transport() == "inproc")  // sends are copied when posted
-      for (auto& o : out) std::fill(o.begin(), o.end(), 0);
+    for (auto& o : out) std::fill(o.begin(), o.end(), 0);  // the CPU transports copy sends when posted
     second->wait();
     first->wait();
     for (int n = 0; n < 3; ++n) EXPECT_EQ(in[n], message(left, me, n, sizes[n])) << "message " << n;
+  });
+}
+
+// 4 MiB + 3 bytes each way around the ring (over MPI, past the eager limit), and to itself.
+TEST_P(Comm, LargeMessages) {
+  const int p = world();
+  constexpr size_t kBytes = (size_t{4} << 20) + 3;
+  run_ok(p, [&](Communicator& c) {
+    const int me = c.rank(), right = (me + 1) % p, left = (me + p - 1) % p;
+    const std::vector<unsigned char> to_right = message(me, right, 1, kBytes), to_me = message(me, me, 2, kBytes);
+    std::vector<unsigned char> from_left(kBytes), from_me(kBytes);
+    c.send_recv({send_op(right, to_right.data(), kBytes), recv_op(left, from_left.data(), kBytes),
+                 send_op(me, to_me.data(), kBytes), recv_op(me, from_me.data(), kBytes)})
+        ->wait();
+    EXPECT_TRUE(from_left == message(left, me, 1, kBytes));
+    EXPECT_TRUE(from_me == to_me);
   });
 }
 
@@ -615,6 +630,19 @@ TEST_P(Comm, FailTellsThePeers) {
   }
 }
 
+// A request dropped while an exception unwinds past it does not wait: the rank fails promptly.
+TEST_P(Comm, UnwindingDoesNotWaitOutTheDeadline) {
+  const int p = world();
+  const Clock::time_point start = Clock::now();
+  const std::vector<Outcome> outcomes = run_world(p, [&](Communicator& c) {
+    int x = 0;
+    std::unique_ptr<CommRequest> pending = c.send_recv({recv_op((c.rank() + 1) % p, &x, sizeof(x))});
+    throw std::runtime_error("abandoned");
+  });
+  EXPECT_LT(seconds_since(start), kPromptSeconds);
+  for (const Outcome& o : outcomes) EXPECT_TRUE(o.error);
+}
+
 #if !RINGFLASH_TEST_MPI
 // Over MPI a rank that returns early is only seen by the deadline (or by mpiexec when the process
 // exits); over inproc its peers hear of it at once.
@@ -638,19 +666,7 @@ TEST_P(Comm, RankThatReturnsEarly) {
   }
 }
 
-// A request dropped while an exception unwinds past it does not wait: the rank fails promptly.
-TEST_P(Comm, UnwindingDoesNotWaitOutTheDeadline) {
-  const int p = world();
-  const Clock::time_point start = Clock::now();
-  const std::vector<Outcome> outcomes = run_world(p, [&](Communicator& c) {
-    int x = 0;
-    std::unique_ptr<CommRequest> pending = c.send_recv({recv_op((c.rank() + 1) % p, &x, sizeof(x))});
-    throw std::runtime_error("abandoned");
-  });
-  EXPECT_LT(seconds_since(start), kPromptSeconds);
-  for (const Outcome& o : outcomes) EXPECT_TRUE(o.error);
-}
-
+// Over MPI this waits out the deadline.
 TEST_P(Comm, ReceiveFromSelfWithoutASendFailsAtOnce) {
   const int p = world();
   const std::vector<Outcome> outcomes = run_world(p, [&](Communicator& c) {
