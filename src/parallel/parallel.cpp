@@ -13,6 +13,7 @@
 #include "ringflash/parallel.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstring>
 #include <string>
@@ -27,7 +28,7 @@ namespace {
 using core::str_cat;
 using parallel::Problem;
 
-constexpr int64_t kNone = -1;           // a descriptor field that does not apply
+constexpr int64_t kNone = INT64_MIN;    // a descriptor field that does not apply
 constexpr size_t kMessageBytes = 512;   // room for one error message in a descriptor
 constexpr uint64_t kHashSeed = 1469598103934665603ull;  // FNV-1a
 constexpr uint64_t kHashPrime = 1099511628211ull;
@@ -388,15 +389,21 @@ std::string list(const std::vector<int64_t>& values) {
   return s + ")";
 }
 
+// The ranks one round of the exchange compares.
+enum class Round { kWorld, kUlysses, kRing };
+
 // The first rank whose descriptor differs from rank 0's, as an error.
-std::string first_difference(const Call& c, const std::vector<Descriptor>& all) {
+std::string first_difference(const Call& c, const std::vector<Descriptor>& all, Round round) {
+  const char* who = round == Round::kWorld ? "rank" : round == Round::kUlysses ? "ulysses rank" : "ring rank";
+  const std::string group = round == Round::kUlysses ? str_cat(" (in the ulysses group of ring rank ", c.group.ring->rank(), ")")
+                            : round == Round::kRing  ? str_cat(" (in the ring group of ulysses rank ", c.group.ulysses->rank(), ")")
+                                                     : std::string();
   for (size_t j = 1; j < all.size(); ++j)
     for (int f = 0; f < kFieldCount; ++f)
       if (all[j].fields[f] != all[0].fields[f])
-        return str_cat(c.op, " ", kFields[f].name, " differs across ranks: rank 0 has ",
-                       show(static_cast<Field>(f), all[0].fields[f]), ", rank ", j, " has ",
-                       show(static_cast<Field>(f), all[j].fields[f]), " (ranks of the ",
-                       c.hybrid() ? "hybrid ulysses or ring group" : "communicator", ")");
+        return str_cat(c.op, " ", kFields[f].name, " differs across ranks: ", who, " 0 has ",
+                       show(static_cast<Field>(f), all[0].fields[f]), ", ", who, " ", j, " has ",
+                       show(static_cast<Field>(f), all[j].fields[f]), group);
   return "";
 }
 
@@ -410,7 +417,7 @@ std::string rows_mismatch(const Call& c, const std::vector<int64_t>& got, const 
 
 // One round of the exchange over `comm`. Returns the agreed verdict in `d`; `seqlen` receives the
 // global length once this round can tell it.
-void exchange(const Call& c, Communicator& comm, Descriptor& d, bool ring_round, int64_t& seqlen) {
+void exchange(const Call& c, Communicator& comm, Descriptor& d, Round round, int64_t& seqlen) {
   const int n = comm.size();
   std::vector<Descriptor> all(static_cast<size_t>(n));
   comm.all_gather(&d, all.data(), std::vector<size_t>(static_cast<size_t>(n), sizeof(Descriptor)));
@@ -419,18 +426,18 @@ void exchange(const Call& c, Communicator& comm, Descriptor& d, bool ring_round,
       d = x;
       return;
     }
-  std::string error = first_difference(c, all);
+  std::string error = first_difference(c, all, round);
   const bool packed = all[0].fields[kPacked] == 1;
   if (error.empty() && !packed) {
     std::vector<int64_t> rows, want;
-    if (!c.hybrid()) {  // every rank's rows against the layout of their sum
+    if (round == Round::kWorld) {  // every rank's rows against the layout of their sum
       for (const Descriptor& x : all) rows.push_back(x.rows);
       int64_t total = 0;
       for (int64_t r : rows) total += r;
       for (int j = 0; j < n; ++j) want.push_back(shard_rows(shard_of(c.layout(), total, j, n)));
       error = rows_mismatch(c, rows, want, total, "ranks");
       seqlen = total;
-    } else if (!ring_round) {  // the ulysses group's rows make up its ring shard
+    } else if (round == Round::kUlysses) {  // the ulysses group's rows make up its ring shard
       d.group_rows = 0;
       for (const Descriptor& x : all) d.group_rows += x.rows;
     } else {  // ring shards against the layout of their sum, then this ulysses rank's row in each
@@ -470,11 +477,11 @@ Problem prepare(const Call& c) {
   }
   int64_t seqlen = 0;
   if (c.hybrid()) {
-    exchange(c, *c.group.ulysses, d, false, seqlen);
-    exchange(c, *c.group.ring, d, true, seqlen);
-    exchange(c, *c.group.ulysses, d, false, seqlen);
+    exchange(c, *c.group.ulysses, d, Round::kUlysses, seqlen);
+    exchange(c, *c.group.ring, d, Round::kRing, seqlen);
+    exchange(c, *c.group.ulysses, d, Round::kUlysses, seqlen);
   } else {
-    exchange(c, *c.group.world, d, false, seqlen);
+    exchange(c, *c.group.world, d, Round::kWorld, seqlen);
   }
   if (d.error_kind != kOk) throw_error(d);
   prob.seqlen = prob.packed ? 0 : seqlen;

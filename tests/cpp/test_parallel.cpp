@@ -389,6 +389,42 @@ TEST(ParallelErrors, HeadsDifferOnOneRank) {
       {"[ring]", "number of q heads differs across ranks", "rank 0 has 4", "rank 1 has 8"});
 }
 
+// Hybrid agrees in three rounds (ulysses, ring, ulysses): a rank that differs reaches every rank.
+TEST(ParallelErrors, HybridHeadsDifferOnOneRank) {
+  SKIP_UNDER_MPI();
+  for (int odd = 0; odd < 4; ++odd) {
+    SCOPED_TRACE("rank " + std::to_string(odd) + " differs");
+    expect_on_every_rank<InvalidArgument>(
+        4,
+        [odd](int rank, Communicator& comm) {
+          ParallelCase c = small_case(Strategy::kHybrid);
+          c.world = 4;
+          c.ulysses = 2;
+          if (rank == odd) c.heads_kv = 4;
+          const CaseGroup group(comm, c);
+          RankProblem problem(c, group.group, *expected_for(c));
+          problem.run();
+        },
+        {"[hybrid]", "number of k/v heads differs across ranks"});
+  }
+}
+
+TEST(ParallelErrors, HybridRowsDoNotMatchTheLayout) {
+  SKIP_UNDER_MPI();
+  expect_on_every_rank<InvalidArgument>(
+      4,
+      [](int rank, Communicator& comm) {
+        ParallelCase c = small_case(Strategy::kHybrid);
+        c.world = 4;
+        c.ulysses = 2;
+        if (rank == 1) c.seqlen = 47;
+        const CaseGroup group(comm, c);
+        RankProblem problem(c, group.group, *expected_for(c));
+        problem.run();
+      },
+      {"[hybrid]", "rows", "zigzag layout of"});
+}
+
 TEST(ParallelErrors, OptionDiffersOnOneRank) {
   SKIP_UNDER_MPI();
   expect_on_every_rank<InvalidArgument>(
