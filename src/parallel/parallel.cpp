@@ -215,8 +215,9 @@ Problem check_local(const Call& c) {
   RINGFLASH_CHECK(c.options.kv_heads_per_gather >= 0, InvalidArgument, c.op,
                   " options.kv_heads_per_gather must be >= 0 (0: all at once), got ", c.options.kv_heads_per_gather);
   const Layout ring_layout = c.options.hybrid_ring_layout;
-  RINGFLASH_CHECK(ring_layout == Layout::kContiguous || ring_layout == Layout::kZigzag || ring_layout == Layout::kStripe,
-                  InvalidArgument, c.op, " options.hybrid_ring_layout must be a Layout, got ",
+  const bool known_layout =
+      ring_layout == Layout::kContiguous || ring_layout == Layout::kZigzag || ring_layout == Layout::kStripe;
+  RINGFLASH_CHECK(known_layout, InvalidArgument, c.op, " options.hybrid_ring_layout must be a Layout, got ",
                   static_cast<int>(ring_layout));
 
   Problem prob;
@@ -395,9 +396,9 @@ enum class Round { kWorld, kUlysses, kRing };
 // The first rank whose descriptor differs from rank 0's, as an error.
 std::string first_difference(const Call& c, const std::vector<Descriptor>& all, Round round) {
   const char* who = round == Round::kWorld ? "rank" : round == Round::kUlysses ? "ulysses rank" : "ring rank";
-  const std::string group = round == Round::kUlysses ? str_cat(" (in the ulysses group of ring rank ", c.group.ring->rank(), ")")
-                            : round == Round::kRing  ? str_cat(" (in the ring group of ulysses rank ", c.group.ulysses->rank(), ")")
-                                                     : std::string();
+  std::string group;
+  if (round == Round::kUlysses) group = str_cat(" (in the ulysses group of ring rank ", c.group.ring->rank(), ")");
+  if (round == Round::kRing) group = str_cat(" (in the ring group of ulysses rank ", c.group.ulysses->rank(), ")");
   for (size_t j = 1; j < all.size(); ++j)
     for (int f = 0; f < kFieldCount; ++f)
       if (all[j].fields[f] != all[0].fields[f])
@@ -498,7 +499,8 @@ void dispatch(const Call& c, const Problem& prob) {
       case Strategy::kStripe:
         return c.backward ? ring_backward(*g.world, c.layout(), prob) : ring_forward(*g.world, c.layout(), prob);
       case Strategy::kAllGather:
-        return c.backward ? allgather_backward(*g.world, prob, c.options) : allgather_forward(*g.world, prob, c.options);
+        return c.backward ? allgather_backward(*g.world, prob, c.options)
+                          : allgather_forward(*g.world, prob, c.options);
       case Strategy::kUlysses:
         return c.backward ? ulysses_backward(*g.world, prob) : ulysses_forward(*g.world, prob);
       case Strategy::kHybrid:

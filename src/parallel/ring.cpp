@@ -166,7 +166,8 @@ TensorView narrow(const TensorView& t, int dim, int64_t start, int64_t count) {
     shape.push_back(d == dim ? count : t.size(d));
     strides.push_back(t.stride(d));
   }
-  auto* data = static_cast<unsigned char*>(t.data()) + start * t.stride(dim) * static_cast<int64_t>(dtype_size(t.dtype()));
+  const int64_t bytes = start * t.stride(dim) * static_cast<int64_t>(dtype_size(t.dtype()));
+  auto* data = static_cast<unsigned char*>(t.data()) + bytes;
   return make_view(data, t.dtype(), t.device(), shape, strides);
 }
 
@@ -202,7 +203,8 @@ void fill_lse(const TensorView& lse, float value) {
 // Copies a (B, rows, H, D) view into contiguous memory of the same dtype.
 void copy_to_contiguous(const TensorView& t, void* dst) {
   const size_t bytes = static_cast<size_t>(t.size(3)) * dtype_size(t.dtype());
-  for_each_vector(t, [&](unsigned char* p, int64_t n) { std::memcpy(static_cast<unsigned char*>(dst) + n * bytes, p, bytes); });
+  auto* out = static_cast<unsigned char*>(dst);
+  for_each_vector(t, [&](unsigned char* p, int64_t n) { std::memcpy(out + n * bytes, p, bytes); });
 }
 
 // bfloat16 bits of x, rounded to nearest even.
@@ -420,13 +422,20 @@ class Ring {
     const size_t send_bytes = static_cast<size_t>(rows_elements(source(s))) * size;
     const size_t recv_bytes = static_cast<size_t>(rows_elements(source(s + 1))) * size;
     std::vector<P2POp> ops;
-    if (send_bytes > 0) ops.insert(ops.end(), {send_op(next(), send.k.data(), send_bytes), send_op(next(), send.v.data(), send_bytes)});
-    if (recv_bytes > 0) ops.insert(ops.end(), {recv_op(prev(), recv.k.data(), recv_bytes), recv_op(prev(), recv.v.data(), recv_bytes)});
+    if (send_bytes > 0) {
+      ops.push_back(send_op(next(), send.k.data(), send_bytes));
+      ops.push_back(send_op(next(), send.v.data(), send_bytes));
+    }
+    if (recv_bytes > 0) {
+      ops.push_back(recv_op(prev(), recv.k.data(), recv_bytes));
+      ops.push_back(recv_op(prev(), recv.v.data(), recv_bytes));
+    }
     return comm_.send_recv(ops);
   }
 
   // One send and one receive, each left out when empty (both ends know the sizes).
-  static std::vector<P2POp> transfer(int to, const void* send, size_t send_bytes, int from, void* recv, size_t recv_bytes) {
+  static std::vector<P2POp> transfer(int to, const void* send, size_t send_bytes, int from, void* recv,
+                                     size_t recv_bytes) {
     std::vector<P2POp> ops;
     if (send_bytes > 0) ops.push_back(send_op(to, send, send_bytes));
     if (recv_bytes > 0) ops.push_back(recv_op(from, recv, recv_bytes));

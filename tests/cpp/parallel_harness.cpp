@@ -106,7 +106,8 @@ std::string ParallelCase::name() const {
   s << strategy_name(strategy) << "_" << problem() << "_p" << world;
   if (strategy == Strategy::kHybrid)
     s << "_u" << ulysses << "_" << layout_name(options.hybrid_ring_layout);
-  if (strategy == Strategy::kAllGather && options.kv_heads_per_gather > 0) s << "_gather" << options.kv_heads_per_gather;
+  if (strategy == Strategy::kAllGather && options.kv_heads_per_gather > 0)
+    s << "_gather" << options.kv_heads_per_gather;
   if (strided) s << "_strided";
   return s.str();
 }
@@ -260,7 +261,8 @@ AttentionParams RankProblem::params() {
     p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {case_.num_seqs(), case_.heads_q});
   else if (case_.alibi)
     p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {case_.heads_q});
-  if (case_.packed()) p.cu_seqlens_q = TensorView(cu_.data(), DType::kInt32, Device{}, {static_cast<int64_t>(cu_.size())});
+  if (case_.packed())
+    p.cu_seqlens_q = TensorView(cu_.data(), DType::kInt32, Device{}, {static_cast<int64_t>(cu_.size())});
   return p;
 }
 
