@@ -406,7 +406,7 @@ void MpiRequest::wait() {
       if (rc == MPI_ERR_IN_STATUS && s.MPI_ERROR != MPI_SUCCESS) {
         error = s.MPI_ERROR == MPI_ERR_TRUNCATE
                     ? str_cat(comm_.prefix(op_), "the message from rank ", o.peer, " is larger than its receive's ",
-                              o.bytes, " bytes")
+                              o.bytes, " bytes (", mpi_error_text(s.MPI_ERROR), ")")
                     : str_cat(comm_.prefix(op_), o.kind == P2POp::Kind::kSend ? "sending to" : "receiving from",
                               " rank ", o.peer, ": ", mpi_error_text(s.MPI_ERROR));
       } else if (o.kind == P2POp::Kind::kRecv) {
