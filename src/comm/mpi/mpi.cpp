@@ -14,15 +14,18 @@
 //
 // Buffers. A send copies its payload at post time into a buffer the transport owns (as inproc does),
 // so the caller's send buffer is free at once and a send that can never complete holds none of the
-// caller's memory. Receives that are given up (deadline, failed peer, unwinding) are cancelled. A
-// family that gave up on something keeps its MPI communicators and buffers to the end of the
-// process: freed, a communicator's context id could be reused by a later one, which would then
-// receive the stale messages.
+// caller's memory. Receives that are given up (deadline, failed peer, unwinding) are cancelled (one
+// that MPI has already matched gets up to kCancelGrace to finish). A family that gave up on
+// something keeps its MPI communicators and buffers to the end of the process: freed, a
+// communicator's context id could be reused by a later one, which would then receive the stale
+// messages.
+//
+// Open MPI makes no progress between MPI calls, so a large (rendezvous) message moves inside the
+// receiver's wait, in one copy (CMA); eager messages move while the ranks compute.
 #include <mpi.h>
 
 #include <algorithm>
 #include <chrono>
-#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
