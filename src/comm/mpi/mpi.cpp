@@ -20,8 +20,9 @@
 // communicator's context id could be reused by a later one, which would then receive the stale
 // messages.
 //
-// Open MPI makes no progress between MPI calls, so a large (rendezvous) message moves inside the
-// receiver's wait, in one copy (CMA); eager messages move while the ranks compute.
+// Open MPI makes no progress between MPI calls: a small (eager) message leaves when it is posted,
+// but a large (rendezvous) one moves only while both ranks are inside MPI, in practice inside the
+// receiver's wait.
 #include <mpi.h>
 
 #include <algorithm>
