@@ -72,17 +72,19 @@ inline RowPlan contiguous_plan(const Problem& p, int world) {
   });
 }
 
-// Calls fn(rank, local row, joined row, rows) for every run of rows that one rank holds of one
-// sequence, ranks in order.
+// Calls fn(rank, local row, joined row, rows) for every non-empty run of rows that one rank holds
+// of one sequence, ranks in order. (Empty runs are skipped: their buffers may be null.)
 template <typename Fn>
 void for_each_run(const RowPlan& plan, Fn&& fn) {
   for (size_t j = 0; j < plan.counts.size(); ++j)
     for (int64_t b = 0; b < plan.batch; ++b)
-      fn(static_cast<int>(j), plan.local_first[j][b], plan.joined_first[j][b], plan.counts[j][b]);
+      if (plan.counts[j][b] > 0)
+        fn(static_cast<int>(j), plan.local_first[j][b], plan.joined_first[j][b], plan.counts[j][b]);
 }
 
 // Rows as all_gather returns them (rank 0's local rows, then rank 1's, ...) -> joined order.
 inline void rank_order_to_joined(const RowPlan& plan, const char* src, size_t row_bytes, char* dst) {
+  if (row_bytes == 0) return;  // no heads here: the buffers may be null
   for_each_run(plan, [&](int j, int64_t local, int64_t joined, int64_t rows) {
     std::memcpy(dst + joined * row_bytes, src + (plan.rank_first[j] + local) * row_bytes, rows * row_bytes);
   });
@@ -90,6 +92,7 @@ inline void rank_order_to_joined(const RowPlan& plan, const char* src, size_t ro
 
 // Joined order -> rank order (the inverse of rank_order_to_joined), as a reduce-scatter sends it.
 inline void joined_to_rank_order(const RowPlan& plan, const char* src, size_t row_bytes, char* dst) {
+  if (row_bytes == 0) return;
   for_each_run(plan, [&](int j, int64_t local, int64_t joined, int64_t rows) {
     std::memcpy(dst + (plan.rank_first[j] + local) * row_bytes, src + joined * row_bytes, rows * row_bytes);
   });
@@ -277,6 +280,7 @@ inline void add_as_float(const char* src, DType dtype, int64_t n, float* dst) {
 // n floats stored as `dtype`; returns the end of what it wrote.
 inline char* store_floats(const float* src, int64_t n, DType dtype, char* dst) {
   const size_t size = dtype_size(dtype);
+  if (n == 0) return dst;  // src may be null
   if (dtype == DType::kFloat32) {
     std::memcpy(dst, src, n * size);
   } else {

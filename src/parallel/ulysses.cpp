@@ -96,7 +96,7 @@ void ulysses_exchange_forward(Communicator& comm, const Problem& p, const RowPla
   from_joined_rows(
       comm, plan, out_bytes,
       [&](int64_t t, char* dst) {
-        std::memcpy(dst, out.data() + t * hq.count * head_bytes, hq.count * head_bytes);
+        if (hq.count > 0) std::memcpy(dst, out.data() + t * hq.count * head_bytes, hq.count * head_bytes);
         copy_lse(lse_all, t, {0, hq.count}, dst + hq.count * head_bytes);
       },
       [&](int u, int64_t r, const char* src) {
@@ -141,7 +141,7 @@ void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPl
   const TensorView lse_all = joined_lse(plan, lse.data(), device, hq.count);
   for (int64_t t = 0; t < plan.rows; ++t) {
     const char* src = rows.data() + t * row_bytes + out_offset;
-    std::memcpy(out.data() + t * out_row_bytes, src, out_row_bytes);
+    if (out_row_bytes > 0) std::memcpy(out.data() + t * out_row_bytes, src, out_row_bytes);
     paste_lse(src + out_row_bytes, lse_all, t, {0, hq.count});
   }
 
@@ -182,9 +182,9 @@ void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPl
   from_joined_rows(
       comm, plan, grad_bytes,
       [&](int64_t t, char* dst) {
-        dst = store_floats(&dq[t * hq.count * dim], hq.count * dim, dtype, dst);
-        dst = store_floats(&dk[t * hkv.count * dim], hkv.count * dim, wire, dst);
-        store_floats(&dv[t * hkv.count * dim], hkv.count * dim, wire, dst);
+        dst = store_floats(dq.data() + t * hq.count * dim, hq.count * dim, dtype, dst);
+        dst = store_floats(dk.data() + t * hkv.count * dim, hkv.count * dim, wire, dst);
+        store_floats(dv.data() + t * hkv.count * dim, hkv.count * dim, wire, dst);
       },
       [&](int u, int64_t r, const char* src) {
         src = paste_heads(src, p.dq, r, heads.q[u]);
