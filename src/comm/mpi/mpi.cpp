@@ -112,6 +112,16 @@ void ensure_initialized() {
                   "[mpi_world] MPI must support at least MPI_THREAD_FUNNELED, got thread level ", provided);
 }
 
+// Buffers that MPI may still read (sends and receives given up on) live until the process ends,
+// in a list that stays reachable, so leak checkers do not report them.
+void keep_until_exit(std::vector<std::unique_ptr<char[]>>& buffers) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<std::unique_ptr<char[]>>();  // never destroyed
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& b : buffers) kept->push_back(std::move(b));
+  buffers.clear();
+}
+
 // The communicators of one mpi_world() and their shared failure state.
 struct Family {
   MPI_Comm root;  // the duplicate of MPI_COMM_WORLD; control messages travel here
@@ -125,11 +135,11 @@ struct Family {
 
   Family(MPI_Comm root_, int rank, int size) : root(root_), root_rank(rank), failed(static_cast<size_t>(size)) {}
   ~Family() {
-    if (keep || mpi_finalized()) {
-      for (auto& p : kept_payloads) p.release();  // may still be read by MPI
+    if (keep) {
+      keep_until_exit(kept_payloads);
       return;
     }
-    MPI_Comm_free(&root);
+    if (!mpi_finalized()) MPI_Comm_free(&root);
   }
 
   void mark_failed(int rank, const std::string& reason) {
