@@ -120,6 +120,24 @@ class Communicator {
   void reset_stats() { stats_ = {}; }
 
  protected:
+  // For the transports.
+
+  // "[op] rank 1 of 4: ", the start of every message about this rank's call `op`.
+  std::string prefix(const char* op) const;
+
+  // Checks the ops of a send_recv-like call `op`: each one's kind, its peer (a rank of this
+  // communicator) and its buffer (null only for 0 bytes). InvalidArgument otherwise.
+  void check_ops(const char* op, const std::vector<P2POp>& ops) const;
+
+  // split's exchange: every rank's (color, key), under the deadline (errors name split). Every rank
+  // checks every color, so all of them throw the same InvalidArgument when one is negative.
+  // Returns the ranks that passed `color`, ordered by (key, rank): the new communicator's members.
+  std::vector<int> split_members(int color, int key);
+
+  // Ends a wait that began at `start`: counts its time in stats_.wait_seconds, and if `error` is not
+  // empty, fails this rank with it (its peers hear at once; see fail()) and throws CommError(error).
+  void end_wait(std::chrono::steady_clock::time_point start, const std::string& error);
+
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   Stats stats_;  // kept up to date by the transports
 };

@@ -1,9 +1,13 @@
-// Communicator collectives built on send_recv, for transports without native ones.
+// Communicator collectives built on send_recv, for transports without native ones, and the steps
+// that every transport's send_recv, wait and split share.
 //
 // Each collective posts all of its messages in one send_recv (every pair of ranks exchanges at most
 // one message per direction, so the matching is unambiguous) and waits once, under one deadline.
 // The transport counts the bytes and the waiting time in stats_. A rank's part for itself is
 // copied directly. Errors of the transport are reported under the collective's name.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -46,6 +50,57 @@ void check_buffer(const char* op, const char* name, const void* data, size_t byt
 }
 
 }  // namespace
+
+std::string Communicator::prefix(const char* op) const {
+  return str_cat("[", op, "] rank ", rank(), " of ", size(), ": ");
+}
+
+void Communicator::check_ops(const char* op, const std::vector<P2POp>& ops) const {
+  const int n = size();
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& o = ops[i];
+    RINGFLASH_CHECK(o.kind == P2POp::Kind::kSend || o.kind == P2POp::Kind::kRecv, InvalidArgument, "[", op, "] ops[",
+                    i, "].kind must be kSend or kRecv, got ", static_cast<int>(o.kind));
+    RINGFLASH_CHECK(o.peer >= 0 && o.peer < n, InvalidArgument, "[", op, "] ops[", i, "].peer must be a rank in [0, ",
+                    n, "), got ", o.peer);
+    RINGFLASH_CHECK(o.data != nullptr || o.bytes == 0, InvalidArgument, "[", op, "] ops[", i,
+                    "].data must not be null for ", o.bytes, " bytes");
+  }
+}
+
+std::vector<int> Communicator::split_members(int color, int key) {
+  constexpr size_t kEntryBytes = 2 * sizeof(int32_t);
+  const int n = size(), me = rank();
+  // all[2 j] and all[2 j + 1]: rank j's color and key.
+  const int32_t mine[2] = {color, key};
+  std::vector<int32_t> all(2 * static_cast<size_t>(n));
+  all[2 * me] = color;
+  all[2 * me + 1] = key;
+  std::vector<P2POp> ops;
+  for (int j = 0; j < n; ++j) {
+    if (j == me) continue;
+    ops.push_back(send_op(j, mine, kEntryBytes));
+    ops.push_back(recv_op(j, &all[2 * static_cast<size_t>(j)], kEntryBytes));
+  }
+  exchange(*this, "split", ops);
+
+  for (int j = 0; j < n; ++j)
+    RINGFLASH_CHECK(all[2 * j] >= 0, InvalidArgument, "[split] color must be >= 0, got ", all[2 * j], " from rank ",
+                    j);
+  std::vector<int> members;
+  for (int j = 0; j < n; ++j)
+    if (all[2 * j] == color) members.push_back(j);
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  return members;
+}
+
+void Communicator::end_wait(std::chrono::steady_clock::time_point start, const std::string& error) {
+  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (error.empty()) return;
+  // This rank will not take part any more: its peers hear so at once.
+  fail(error);
+  throw CommError(error);
+}
 
 void Communicator::all_to_all(const void* send, const std::vector<size_t>& send_bytes,
                               const std::vector<size_t>& send_offsets, void* recv, const std::vector<size_t>& recv_bytes,

@@ -6,7 +6,6 @@
 // completed by the receiving thread itself, inside wait(). It follows that a rank that has
 // returned or failed will never send again: a receive from it that has not arrived fails at once
 // rather than at the deadline.
-#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -166,9 +165,8 @@ class InprocComm final : public Communicator {
   World& world() { return *world_; }
   Group& group() { return *group_; }
   int world_rank() const { return group_->world_ranks[static_cast<size_t>(rank_)]; }
-  void add_wait_seconds(double s) { stats_.wait_seconds += s; }
-  // "[op] rank 1 of 4: "
-  std::string prefix(const char* op) const { return str_cat("[", op, "] rank ", rank_, " of ", size(), ": "); }
+  using Communicator::end_wait;
+  using Communicator::prefix;
 
  private:
   std::unique_ptr<InprocRequest> post(const char* op, const std::vector<P2POp>& ops);
@@ -180,16 +178,7 @@ class InprocComm final : public Communicator {
 };
 
 std::unique_ptr<InprocRequest> InprocComm::post(const char* op, const std::vector<P2POp>& ops) {
-  const int n = size();
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const P2POp& o = ops[i];
-    RINGFLASH_CHECK(o.kind == P2POp::Kind::kSend || o.kind == P2POp::Kind::kRecv, InvalidArgument, "[", op, "] ops[",
-                    i, "].kind must be kSend or kRecv, got ", static_cast<int>(o.kind));
-    RINGFLASH_CHECK(o.peer >= 0 && o.peer < n, InvalidArgument, "[", op, "] ops[", i, "].peer must be a rank in [0, ",
-                    n, "), got ", o.peer);
-    RINGFLASH_CHECK(o.data != nullptr || o.bytes == 0, InvalidArgument, "[", op, "] ops[", i,
-                    "].data must not be null for ", o.bytes, " bytes");
-  }
+  check_ops(op, ops);
 
   // Copies of the payloads, made before taking the lock.
   std::vector<Message> payloads;
@@ -302,41 +291,12 @@ void InprocRequest::wait() {
       expired = self.wake.wait_until(lock, deadline) == std::cv_status::timeout;
     }
   }
-  comm_.add_wait_seconds(std::chrono::duration<double>(Clock::now() - start).count());
-  if (!error.empty()) {
-    // This rank will not take part any more: its peers hear so at once.
-    comm_.fail(error);
-    throw CommError(error);
-  }
+  comm_.end_wait(start, error);
 }
 
 std::unique_ptr<Communicator> InprocComm::split(int color, int key) {
-  constexpr size_t kEntryBytes = 2 * sizeof(int32_t);
-  const int n = size();
-  // Gather every rank's (color, key).
-  const int32_t mine[2] = {color, key};
-  std::vector<int32_t> all(2 * static_cast<size_t>(n));
-  all[2 * rank_] = color;
-  all[2 * rank_ + 1] = key;
-  std::vector<P2POp> ops;
-  for (int j = 0; j < n; ++j) {
-    if (j == rank_) continue;
-    ops.push_back(send_op(j, mine, kEntryBytes));
-    ops.push_back(recv_op(j, &all[2 * static_cast<size_t>(j)], kEntryBytes));
-  }
-  post("split", ops)->wait();
   const uint64_t split_number = splits_++;
-
-  // Every rank checks every color, so all of them agree on the error.
-  for (int j = 0; j < n; ++j)
-    RINGFLASH_CHECK(all[2 * j] >= 0, InvalidArgument, "[split] color must be >= 0, got ", all[2 * j], " from rank ",
-                    j);
-
-  // The members, by (key, parent rank).
-  std::vector<int> members;
-  for (int j = 0; j < n; ++j)
-    if (all[2 * j] == color) members.push_back(j);
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  const std::vector<int> members = split_members(color, key);
   std::vector<int> world_ranks;
   int new_rank = 0;
   for (size_t i = 0; i < members.size(); ++i) {

@@ -229,9 +229,8 @@ class MpiComm final : public Communicator {
   int root_rank_of(int peer) const { return root_ranks_[static_cast<size_t>(peer)]; }
   // Why `peer` failed, or "" while it is not known to have.
   const std::string& failure_of(int peer) const { return family_->failed[static_cast<size_t>(root_rank_of(peer))]; }
-  void add_wait_seconds(double s) { stats_.wait_seconds += s; }
-  void add_bytes_sent(uint64_t b) { stats_.bytes_sent += b; }
-  std::string prefix(const char* op) const { return str_cat("[", op, "] rank ", rank_, " of ", size(), ": "); }
+  using Communicator::end_wait;
+  using Communicator::prefix;
 
  private:
   std::unique_ptr<MpiRequest> post(const char* op, const std::vector<P2POp>& ops);
@@ -268,16 +267,7 @@ void MpiComm::fail(const std::string& reason) {
 }
 
 std::unique_ptr<MpiRequest> MpiComm::post(const char* op, const std::vector<P2POp>& ops) {
-  const int n = size();
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const P2POp& o = ops[i];
-    RINGFLASH_CHECK(o.kind == P2POp::Kind::kSend || o.kind == P2POp::Kind::kRecv, InvalidArgument, "[", op, "] ops[",
-                    i, "].kind must be kSend or kRecv, got ", static_cast<int>(o.kind));
-    RINGFLASH_CHECK(o.peer >= 0 && o.peer < n, InvalidArgument, "[", op, "] ops[", i, "].peer must be a rank in [0, ",
-                    n, "), got ", o.peer);
-    RINGFLASH_CHECK(o.data != nullptr || o.bytes == 0, InvalidArgument, "[", op, "] ops[", i,
-                    "].data must not be null for ", o.bytes, " bytes");
-  }
+  check_ops(op, ops);
   RINGFLASH_CHECK(!family_->self_failed, CommError, prefix(op), "this rank has failed: ", family_->self_reason);
   auto request = std::make_unique<MpiRequest>(*this, op, ops);
   request->post();
@@ -442,40 +432,14 @@ void MpiRequest::wait() {
     else
       std::this_thread::sleep_for(kPollSleep);
   }
-  comm_.add_wait_seconds(std::chrono::duration<double>(Clock::now() - start).count());
-  if (!error.empty()) {
-    give_up();
-    comm_.fail(error);
-    throw CommError(error);
-  }
+  if (!error.empty()) give_up();
+  comm_.end_wait(start, error);
 }
 
 std::unique_ptr<Communicator> MpiComm::split(int color, int key) {
-  constexpr size_t kEntryBytes = 2 * sizeof(int32_t);
-  const int n = size();
   // Every rank's (color, key), under the deadline: afterwards MPI_Comm_split cannot wait on an
-  // absent rank.
-  const int32_t mine[2] = {color, key};
-  std::vector<int32_t> all(2 * static_cast<size_t>(n));
-  all[2 * rank_] = color;
-  all[2 * rank_ + 1] = key;
-  std::vector<P2POp> ops;
-  for (int j = 0; j < n; ++j) {
-    if (j == rank_) continue;
-    ops.push_back(send_op(j, mine, kEntryBytes));
-    ops.push_back(recv_op(j, &all[2 * static_cast<size_t>(j)], kEntryBytes));
-  }
-  post("split", ops)->wait();
-
-  for (int j = 0; j < n; ++j)
-    RINGFLASH_CHECK(all[2 * j] >= 0, InvalidArgument, "[split] color must be >= 0, got ", all[2 * j], " from rank ",
-                    j);
-
-  // The members, by (key, parent rank), as MPI orders them too.
-  std::vector<int> members;
-  for (int j = 0; j < n; ++j)
-    if (all[2 * j] == color) members.push_back(j);
-  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+  // absent rank. The members come by (key, parent rank), as MPI orders them too.
+  const std::vector<int> members = split_members(color, key);
   std::vector<int> root_ranks;
   for (int m : members) root_ranks.push_back(root_rank_of(m));
 
