@@ -1,0 +1,308 @@
+"""Sequence-parallel attention: the strategies of the C++ library as torch custom ops.
+
+``parallel_attention(q, k, v, strategy, group)`` is the one entry point that the drop-in modules
+(``ring_flash_attn``, ``sp_aurora``, ``yunchang``, ``hf``) build on. Every rank of the group calls it
+with its own shard of the sequence, in the strategy's layout (``shard_positions`` says which global
+positions a rank holds):
+
+* ``ring``, ``allgather``, ``ulysses``: contiguous shards, rank r holding the r-th of P parts;
+* ``zigzag``: the sequence cut into 2P chunks, rank r holding chunks r and 2P - 1 - r;
+* ``stripe``: rank r holding positions r, r + P, r + 2P, ...;
+* ``hybrid``: the ring layout over the ring group, each ring shard then cut contiguously among
+  the ulysses group.
+
+When the length does not divide by P (or 2P), the first ranks hold one row more. Packed batches
+shard every sequence on its own; ``cu_seqlens`` are then the GLOBAL cumulative lengths, the same
+on every rank, and each rank's tensors hold sequence 0's shard, then sequence 1's, and so on.
+
+The ops are ``torch.ops.ringflash.parallel_forward`` and ``parallel_backward``, with fake
+implementations and autograd, so ``torch.compile(fullgraph=True)`` traces them. A group is passed
+to them as an int handle (``ParallelGroup.handle``).
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _C
+from .distributed import communicator
+
+__all__ = [
+    "ParallelGroup",
+    "STRATEGIES",
+    "init_process_groups",
+    "parallel_attention",
+    "parallel_group",
+    "shard_positions",
+]
+
+STRATEGIES = ("ring", "zigzag", "stripe", "allgather", "ulysses", "hybrid")
+_RING_LAYOUTS = {"ring": "contiguous", "basic": "contiguous", "contiguous": "contiguous", "zigzag": "zigzag",
+                 "stripe": "stripe", "strip": "stripe"}
+
+
+class ParallelGroup:
+    """The ranks that share one sequence, as the strategies need them: ``world`` for every strategy
+    but hybrid, ``ulysses`` and ``ring`` for hybrid (torch.distributed groups, None for the default
+    group). Made by ``parallel_group``."""
+
+    _registry: List["ParallelGroup"] = []
+
+    def __init__(self, world=None, ulysses=None, ring=None, ring_layout: str = "zigzag"):
+        if ring_layout not in _RING_LAYOUTS:
+            raise _C.InvalidArgument(f"[parallel_group] ring_layout must be one of {', '.join(_RING_LAYOUTS)}, "
+                                     f"got {ring_layout!r}")
+        if (ulysses is None) != (ring is None):
+            raise _C.InvalidArgument("[parallel_group] ulysses and ring must be given together (hybrid), got one")
+        self.world, self.ulysses, self.ring = world, ulysses, ring
+        self.ring_layout = _RING_LAYOUTS[ring_layout]
+        self.handle = len(ParallelGroup._registry)
+        ParallelGroup._registry.append(self)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.ulysses is not None
+
+    def communicators(self, device) -> Tuple[Optional["_C.Communicator"], ...]:
+        """(world, ulysses, ring) ringflash communicators for tensors on ``device`` (made once, then
+        cached by ringflash.distributed); None where there is nothing to send."""
+        if self.is_hybrid:
+            return None, communicator(self.ulysses, device), communicator(self.ring, device)
+        return communicator(self.world, device), None, None
+
+    def size(self, device="cpu") -> int:
+        world, ulysses, ring = self.communicators(device)
+        if self.is_hybrid:
+            return (ulysses.size if ulysses else 1) * (ring.size if ring else 1)
+        return world.size if world else 1
+
+
+_groups: Dict[tuple, ParallelGroup] = {}
+
+
+def parallel_group(group=None, ulysses=None, ring=None, ring_layout: str = "zigzag") -> ParallelGroup:
+    """The ParallelGroup of a torch.distributed group (None: the default group), or of a pair of
+    ulysses and ring groups for hybrid; made once per argument set."""
+    key = (group, ulysses, ring, ring_layout)
+    if key not in _groups:
+        _groups[key] = ParallelGroup(group, ulysses, ring, ring_layout)
+    return _groups[key]
+
+
+def init_process_groups(ulysses_degree: int, ring_degree: int, use_ulysses_low: bool = True,
+                        ring_layout: str = "zigzag") -> ParallelGroup:
+    """The 2D layout of ranks for ``hybrid``: torch.distributed groups of ``ulysses_degree`` ranks
+    (all-to-all inside) and of ``ring_degree`` ranks (the ring across), from the default group,
+    whose size must be their product. With ``use_ulysses_low`` (the default, as in yunchang) a
+    ulysses group is ``ulysses_degree`` consecutive ranks; otherwise a ring group is.
+
+    Collective: every process of the default group calls it, with the same arguments. Returns the
+    ParallelGroup of this rank's two groups, which ``parallel_attention(..., "hybrid", group)`` takes."""
+    op = "init_process_groups"
+    if not (dist.is_available() and dist.is_initialized()):
+        raise _C.InvalidArgument(f"[{op}] torch.distributed must be initialised first")
+    for name, value in (("ulysses_degree", ulysses_degree), ("ring_degree", ring_degree)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _C.InvalidArgument(f"[{op}] {name} must be an int >= 1, got {value!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ulysses_degree * ring_degree != world:
+        raise _C.InvalidArgument(f"[{op}] ulysses_degree x ring_degree must be the world size {world}, got "
+                                 f"{ulysses_degree} x {ring_degree}")
+    ulysses_pg = ring_pg = None
+    if use_ulysses_low:
+        ulysses_sets = [list(range(i * ulysses_degree, (i + 1) * ulysses_degree)) for i in range(ring_degree)]
+        ring_sets = [list(range(i, world, ulysses_degree)) for i in range(ulysses_degree)]
+    else:
+        ring_sets = [list(range(i * ring_degree, (i + 1) * ring_degree)) for i in range(ulysses_degree)]
+        ulysses_sets = [list(range(i, world, ring_degree)) for i in range(ring_degree)]
+    for ranks in ulysses_sets:  # every process makes every group, in the same order
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            ulysses_pg = pg
+    for ranks in ring_sets:
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            ring_pg = pg
+    return parallel_group(ulysses=ulysses_pg, ring=ring_pg, ring_layout=ring_layout)
+
+
+def _group_kwargs(strategy: str, group: ParallelGroup, device) -> dict:
+    world, ulysses, ring = group.communicators(device)
+    if strategy == "hybrid" and not group.is_hybrid:
+        raise _C.InvalidArgument("[parallel_attention] strategy 'hybrid' needs a group with ulysses and ring groups "
+                                 "(parallel_group(ulysses=..., ring=...) or init_process_groups), got one group")
+    if strategy != "hybrid" and group.is_hybrid:
+        raise _C.InvalidArgument(f"[parallel_attention] strategy {strategy!r} needs one group, got a hybrid group")
+    return {"strategy": strategy, "world": world, "ulysses": ulysses, "ring": ring,
+            "hybrid_ring_layout": group.ring_layout}
+
+
+def _single_rank(strategy: str, group: ParallelGroup, device) -> bool:
+    return group.size(device) == 1
+
+
+def shard_positions(seqlen: int, strategy: str = "zigzag", group: Optional[ParallelGroup] = None,
+                    device="cpu") -> Tensor:
+    """The global positions (int64, in local order) that this rank holds of a sequence of ``seqlen``
+    tokens under ``strategy``. Index a full sequence with it to get this rank's shard."""
+    group = group if group is not None else parallel_group()
+    if strategy not in STRATEGIES:
+        raise _C.InvalidArgument(f"[shard_positions] strategy must be one of {', '.join(STRATEGIES)}, "
+                                 f"got {strategy!r}")
+    if _single_rank(strategy, group, device):
+        return torch.arange(seqlen)
+    pieces = _C.parallel_shard(seqlen, **_group_kwargs(strategy, group, device))
+    parts = [torch.arange(count) * stride + start for start, count, stride in pieces]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def _lse_shape(q: Tensor, packed: bool) -> Tuple[int, ...]:
+    if packed:
+        return (q.shape[1], q.shape[0]) if q.dim() == 3 else (0,)
+    return (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
+
+
+def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
+
+
+def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q):
+    return dict(softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
+                softcap=softcap, alibi_slopes=_detach(alibi_slopes), cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens, num_threads=torch.get_num_threads() if q.device.type == "cpu" else 0,
+                stream=torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0)
+
+
+@torch.library.custom_op("ringflash::parallel_forward", mutates_args=())
+def parallel_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    strategy: str,
+    group: int,
+    kv_heads_per_gather: int,
+) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of this rank's query shard; see the module docstring."""
+    pg = ParallelGroup._registry[group]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32, device=q.device)
+    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
+    if _single_rank(strategy, pg, q.device):
+        _C.attention_forward(_detach(q), _detach(k), _detach(v), out, lse, **options)
+    else:
+        _C.parallel_forward(_detach(q), _detach(k), _detach(v), out, lse, kv_heads_per_gather=kv_heads_per_gather,
+                            **_group_kwargs(strategy, pg, q.device), **options)
+    return out, lse
+
+
+@parallel_forward.register_fake
+def _parallel_forward_fake(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right,
+                           softcap, strategy, group, kv_heads_per_gather):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
+
+
+@torch.library.custom_op("ringflash::parallel_backward", mutates_args=())
+def parallel_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: Optional[float],
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    strategy: str,
+    group: int,
+    kv_heads_per_gather: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this rank's shards, for the forward with the same arguments."""
+    pg = ParallelGroup._registry[group]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
+    tensors = (_detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv)
+    if _single_rank(strategy, pg, q.device):
+        _C.attention_backward(*tensors, **options)
+    else:
+        _C.parallel_backward(*tensors, kv_heads_per_gather=kv_heads_per_gather,
+                             **_group_kwargs(strategy, pg, q.device), **options)
+    return dq, dk, dv
+
+
+@parallel_backward.register_fake
+def _parallel_backward_fake(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left,
+                            window_right, softcap, strategy, group, kv_heads_per_gather):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_NUM_OPTIONS = 10  # the inputs of parallel_forward after q, k, v
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, alibi_slopes, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, alibi_slopes)
+    ctx.options = options
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens, alibi_slopes = ctx.saved_tensors
+    if dout.stride(-1) != 1:
+        dout = dout.clone(memory_format=torch.contiguous_format)
+    dq, dk, dv = parallel_backward(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, *ctx.options)
+    return (dq, dk, dv) + (None,) * _NUM_OPTIONS
+
+
+parallel_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _window(op: str, window_size: Sequence[int]) -> Tuple[int, int]:
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    ok = ok and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    if not ok:
+        raise _C.InvalidArgument(f"[{op}] window_size must be a pair of ints (left, right), got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag", group=None, *,
+                       causal: bool = False, softmax_scale: Optional[float] = None,
+                       window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                       alibi_slopes: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
+                       dropout_p: float = 0.0, kv_heads_per_gather: int = 0, return_lse: bool = False,
+                       op: str = "parallel_attention"):
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    q (B, S_local, Hq, D), k and v (B, S_local, Hkv, D), each rank's shard in ``strategy``'s layout;
+    or, with ``cu_seqlens`` (int32 (B + 1,), the GLOBAL cumulative lengths), packed shards
+    (T_local, H, D). ``group`` is a ParallelGroup, a torch.distributed group, or None (the default
+    group). Options as in flash_attn_func; causal masks and windows use global positions.
+    ``kv_heads_per_gather`` (allgather) bounds the K/V heads gathered at a time (0: all).
+    Returns out like q, and with ``return_lse`` also the float32 lse, (B, Hq, S_local) or
+    (Hq, T_local). Gradients flow to q, k and v."""
+    if strategy not in STRATEGIES:
+        raise _C.InvalidArgument(f"[{op}] strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if dropout_p != 0.0:
+        raise _C.NotSupported(f"[{op}] dropout_p must be 0 (dropout is not supported), got {dropout_p}")
+    if not isinstance(group, ParallelGroup):
+        group = parallel_group(group)
+    left, right = _window(op, window_size)
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise _C.InvalidArgument(f"[{op}] {name} must be on {q.device} like q, got {t.device}")
+    out, lse = parallel_forward(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
+                                float(softcap), strategy, group.handle, int(kv_heads_per_gather))
+    return (out, lse) if return_lse else out
