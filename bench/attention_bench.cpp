@@ -38,19 +38,14 @@ struct Options {
   int iters = 10, warmup = 2, sets = 3, threads = 0;
 };
 
+constexpr const char* kUsage =
+    "usage: attention_bench [--dtypes fp32,bf16,fp16] [--seqlens 1024,4096] [--hdims 64,128]\n"
+    "       [--causal 0,1] [--batch 1] [--heads 8] [--kv-heads H] [--iters 10] [--warmup 2]\n"
+    "       [--sets 3] [--threads 0 (every core)]\n";
+
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") {
-      std::printf(
-          "usage: attention_bench [--dtypes fp32,bf16,fp16] [--seqlens 1024,4096] [--hdims 64,128]\n"
-          "       [--causal 0,1] [--batch 1] [--heads 8] [--kv-heads H] [--iters 10] [--warmup 2]\n"
-          "       [--sets 3] [--threads 0 (every core)]\n");
-      std::exit(0);
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-    const std::string value = argv[++i];
+  read_flags(argc, argv, kUsage, {}, [&](const std::string& flag, const std::string& value) {
     if (flag == "--dtypes") o.dtypes = split(value);
     else if (flag == "--seqlens") o.seqlens = split_ints(value);
     else if (flag == "--hdims") o.hdims = split_ints(value);
@@ -63,7 +58,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--sets") o.sets = std::stoi(value);
     else if (flag == "--threads") o.threads = std::stoi(value);
     else throw std::invalid_argument("unknown flag " + flag);
-  }
+  });
   if (o.kv_heads == 0) o.kv_heads = o.heads;
   if (o.iters < 1 || o.warmup < 0 || o.sets < 1) throw std::invalid_argument("need iters >= 1, warmup >= 0, sets >= 1");
   return o;
@@ -116,28 +111,19 @@ bool run_case(const Options& o, const std::string& dtype_name, int64_t seqlen, i
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "attention_bench: %s (--help for usage)\n", e.what());
-    return 2;
-  }
-  std::printf("%s", ringflash::build_info().c_str());
-  std::printf("batch %lld, heads %lld, kv heads %lld, iters %d, warmup %d, input sets %d, threads %d (0: every core)\n\n",
-              static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
-              o.iters, o.warmup, o.sets, o.threads);
-  std::printf("%-5s %5s %6s %-6s %10s %10s %10s %10s\n", "dtype", "D", "S", "causal", "fwd ms", "bwd ms",
-              "fwd GF/s", "bwd GF/s");
-  bool ok = true;
-  try {
+  return run_main("attention_bench", argc, argv, parse, [](const Options& o) {
+    std::printf("%s", ringflash::build_info().c_str());
+    std::printf(
+        "batch %lld, heads %lld, kv heads %lld, iters %d, warmup %d, input sets %d, threads %d (0: every core)\n\n",
+        static_cast<long long>(o.batch), static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads), o.iters,
+        o.warmup, o.sets, o.threads);
+    std::printf("%-5s %5s %6s %-6s %10s %10s %10s %10s\n", "dtype", "D", "S", "causal", "fwd ms", "bwd ms",
+                "fwd GF/s", "bwd GF/s");
+    bool ok = true;
     for (const std::string& dtype : o.dtypes)
       for (int64_t d : o.hdims)
         for (int64_t s : o.seqlens)
           for (int64_t causal : o.causal) ok = run_case(o, dtype, s, d, causal != 0) && ok;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "attention_bench: %s\n", e.what());
-    return 2;
-  }
-  return ok ? 0 : 1;
+    return ok ? 0 : 1;
+  });
 }

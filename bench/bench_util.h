@@ -1,10 +1,14 @@
-// Pieces the C++ benchmarks share: flag lists, dtypes, random inputs and median timing.
+// Pieces the C++ benchmarks share: main's error handling, flag reading, dtypes, random inputs and
+// median timing.
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <initializer_list>
 #include <random>
@@ -19,6 +23,46 @@ namespace bench {
 
 using ringflash::DType;
 using ringflash::TensorView;
+
+// A benchmark's main: options = parse(argc, argv), then run(options). A bad flag prints
+// "<program>: <why> (--help for usage)" and an exception out of run "<program>: <why>", both on
+// stderr with exit status 2; otherwise the exit status is run's.
+template <typename Parse, typename Run>
+int run_main(const char* program, int argc, char** argv, Parse&& parse, Run&& run) {
+  decltype(parse(argc, argv)) options;
+  try {
+    options = parse(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s (--help for usage)\n", program, e.what());
+    return 2;
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 2;
+  }
+}
+
+// Calls on_flag(flag, value) for every flag of argv in order: "--flag value", or "--flag" with value
+// "" for the flags in `switches`. Prints `usage` and exits on -h or --help; throws
+// std::invalid_argument for a flag without its value.
+inline void read_flags(int argc, char** argv, const char* usage, const std::vector<std::string>& switches,
+                       const std::function<void(const std::string& flag, const std::string& value)>& on_flag) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "-h" || flag == "--help") {
+      std::printf("%s", usage);
+      std::exit(0);
+    }
+    if (std::find(switches.begin(), switches.end(), flag) != switches.end()) {
+      on_flag(flag, "");
+      continue;
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
+    on_flag(flag, argv[++i]);
+  }
+}
 
 inline std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;

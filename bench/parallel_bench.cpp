@@ -46,25 +46,17 @@ struct Options {
   std::string json;
 };
 
+constexpr const char* kUsage =
+    "usage: ringflash-bench [--strategies ring,zigzag,stripe,allgather,ulysses,hybrid] [--world 4]\n"
+    "       [--transport inproc|mpi] [--seqlen 16384] [--heads 8] [--kv-heads H] [--hdim 64]\n"
+    "       [--dtype fp32|bf16|fp16] [--causal 0|1] [--window W] [--threads-per-rank 1]\n"
+    "       [--hybrid-ulysses U] [--iters 5] [--warmup 1] [--no-check] [--json PATH]\n";
+
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "-h" || flag == "--help") {
-      std::printf(
-          "usage: ringflash-bench [--strategies ring,zigzag,stripe,allgather,ulysses,hybrid] [--world 4]\n"
-          "       [--transport inproc|mpi] [--seqlen 16384] [--heads 8] [--kv-heads H] [--hdim 64]\n"
-          "       [--dtype fp32|bf16|fp16] [--causal 0|1] [--window W] [--threads-per-rank 1]\n"
-          "       [--hybrid-ulysses U] [--iters 5] [--warmup 1] [--no-check] [--json PATH]\n");
-      std::exit(0);
-    }
-    if (flag == "--no-check") {
-      o.check = false;
-      continue;
-    }
-    if (i + 1 >= argc) throw std::invalid_argument(flag + " needs a value");
-    const std::string value = argv[++i];
-    if (flag == "--strategies") o.strategies = split(value);
+  read_flags(argc, argv, kUsage, {"--no-check"}, [&](const std::string& flag, const std::string& value) {
+    if (flag == "--no-check") o.check = false;
+    else if (flag == "--strategies") o.strategies = split(value);
     else if (flag == "--world") o.world = std::stoi(value);
     else if (flag == "--transport") o.transport = value;
     else if (flag == "--seqlen") o.seqlen = std::stoll(value);
@@ -80,7 +72,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--warmup") o.warmup = std::stoi(value);
     else if (flag == "--json") o.json = value;
     else throw std::invalid_argument("unknown flag " + flag);
-  }
+  });
   if (o.kv_heads == 0) o.kv_heads = o.heads;
   if (o.world < 1 || o.iters < 1 || o.warmup < 0 || o.threads_per_rank < 1)
     throw std::invalid_argument("need world >= 1, iters >= 1, warmup >= 0, threads-per-rank >= 1");
@@ -334,14 +326,7 @@ double tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-3 : dtype =
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  try {
-    o = parse(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "ringflash-bench: %s (--help for usage)\n", e.what());
-    return 2;
-  }
-  try {
+  return run_main("ringflash-bench", argc, argv, parse, [](Options& o) {
     std::unique_ptr<Communicator> mpi;
     if (o.transport == "mpi") {
       mpi = ringflash::mpi_world();
@@ -433,8 +418,5 @@ int main(int argc, char** argv) {
       std::fclose(f);
     }
     return ok ? 0 : 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "ringflash-bench: %s\n", e.what());
-    return 2;
-  }
+  });
 }

@@ -108,9 +108,10 @@ class Positions {
   std::vector<int32_t> cu_q_, cu_k_, q_starts_;
 };
 
-// The gather of one slice's K and V rows from the ranks whose keys this rank's queries may see,
-// posted as one send_recv so that it travels while the previous slice computes. Rows arrive in
-// rank order in `gathered`, where this rank's own rows are packed in place and sent from.
+// The gathers of each slice's K and V rows from the ranks whose keys this rank's queries may see.
+// A slice's gather is one send_recv, posted so that it travels while the previous slice computes.
+// Rows arrive in rank order in `gathered_`, where this rank's own rows are packed in place and sent
+// from, and are put in joined order in `kv_`.
 class KvGather {
  public:
   KvGather(Communicator& comm, const Problem& p, const RowPlan& plan, const Visibility& visible, int64_t widest)
@@ -118,8 +119,28 @@ class KvGather {
         p_(p),
         plan_(plan),
         visible_(visible),
-        gathered_(plan.rows * 2 * widest * p.head_dim * dtype_size(p.k.dtype())) {}
+        gathered_(plan.rows * 2 * widest * p.head_dim * dtype_size(p.k.dtype())),
+        kv_(gathered_.size()) {}
 
+  // Calls fn(slice, k, v) for every slice in turn, with k and v (B, S, slice, D) views of all of its
+  // gathered rows; the next slice's gather is in flight while fn runs.
+  template <typename Fn>
+  void for_each_slice(const std::vector<HeadRange>& slices, Fn&& fn) {
+    const DType dtype = p_.k.dtype();
+    const Device device = p_.k.device();
+    const int64_t dim = p_.head_dim;
+    if (!slices.empty()) post(slices[0]);
+    for (size_t i = 0; i < slices.size(); ++i) {
+      const HeadRange slice = slices[i];
+      finish();
+      if (i + 1 < slices.size()) post(slices[i + 1]);
+      const int64_t row_elems = 2 * slice.count * dim;
+      fn(slice, joined_view(plan_, kv_.data(), dtype, device, row_elems, 0, slice.count, dim),
+         joined_view(plan_, kv_.data(), dtype, device, row_elems, slice.count, slice.count, dim));
+    }
+  }
+
+ private:
   // k, v (B, S_r, Hkv, D) -> this rank's (B * S_r, 2, slice, D), sent to every rank.
   void post(HeadRange slice) {
     const int me = comm_.rank();
@@ -140,19 +161,18 @@ class KvGather {
     request_ = comm_.send_recv(ops);
   }
 
-  // Waits for the posted slice: (sum_j B * S_j, 2, slice, D) by rank -> kv (B, S, 2, slice, D).
-  void finish(char* kv) {
+  // Waits for the posted slice: (sum_j B * S_j, 2, slice, D) by rank -> kv_ (B, S, 2, slice, D).
+  void finish() {
     request_->wait();
     request_.reset();
-    rank_order_to_joined(plan_, gathered_.data(), row_bytes_, kv);
+    rank_order_to_joined(plan_, gathered_.data(), row_bytes_, kv_.data());
   }
 
- private:
   Communicator& comm_;
   const Problem& p_;
   const RowPlan& plan_;
   const Visibility& visible_;
-  std::vector<char> gathered_;
+  std::vector<char> gathered_, kv_;
   size_t row_bytes_ = 0;
   std::unique_ptr<CommRequest> request_;
 };
@@ -193,24 +213,14 @@ void allgather_forward(Communicator& comm, const Problem& p, const ParallelOptio
   const RowPlan plan = contiguous_plan(p, comm.size());
   const Positions positions(p, plan, comm.rank());
   const std::vector<HeadRange> slices = kv_slices(p, options);
-  const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, widest = slices.empty() ? 0 : slices[0].count;
-  const DType dtype = p.q.dtype();
+  const int64_t group = p.heads_q / p.heads_kv, widest = slices.empty() ? 0 : slices[0].count;
   const Visibility visible(plan, p.params);
-  std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
   KvGather gather(comm, p, plan, visible, widest);
-
-  if (!slices.empty()) gather.post(slices[0]);
-  for (size_t i = 0; i < slices.size(); ++i) {
-    const HeadRange slice = slices[i];
-    gather.finish(kv.data());
-    if (i + 1 < slices.size()) gather.post(slices[i + 1]);
-    const int64_t row_elems = 2 * slice.count * dim;
-    const TensorView k = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, 0, slice.count, dim);
-    const TensorView v = joined_view(plan, kv.data(), dtype, p.q.device(), row_elems, slice.count, slice.count, dim);
+  gather.for_each_slice(slices, [&](HeadRange slice, const TensorView& k, const TensorView& v) {
     const HeadRange q{slice.first * group, slice.count * group};
     attention_forward(narrow(p.q, -2, q.first, q.count), k, v, narrow(p.out, -2, q.first, q.count),
                       narrow(p.lse, -2, q.first, q.count), positions.for_heads(q, false));
-  }
+  });
 }
 
 void allgather_backward(Communicator& comm, const Problem& p, const ParallelOptions& options) {
@@ -223,19 +233,12 @@ void allgather_backward(Communicator& comm, const Problem& p, const ParallelOpti
   const DType dtype = p.q.dtype();
   const Device device = p.q.device();
   const Visibility visible(plan, p.params);
-  std::vector<char> kv(plan.rows * 2 * widest * dim * dtype_size(dtype));
   KvGather gather(comm, p, plan, visible, widest);
   std::vector<float> dq(local_rows * widest * group * dim), dkv(plan.rows * 2 * widest * dim),
       dkv_by_rank(dkv.size()), dkv_mine(local_rows * 2 * widest * dim), parts(comm.size() * dkv_mine.size());
 
-  if (!slices.empty()) gather.post(slices[0]);
-  for (size_t i = 0; i < slices.size(); ++i) {
-    const HeadRange slice = slices[i];
-    gather.finish(kv.data());
-    if (i + 1 < slices.size()) gather.post(slices[i + 1]);
+  gather.for_each_slice(slices, [&](HeadRange slice, const TensorView& k, const TensorView& v) {
     const int64_t row_elems = 2 * slice.count * dim;
-    const TensorView k = joined_view(plan, kv.data(), dtype, device, row_elems, 0, slice.count, dim);
-    const TensorView v = joined_view(plan, kv.data(), dtype, device, row_elems, slice.count, slice.count, dim);
     const HeadRange q{slice.first * group, slice.count * group};
 
     // fp32 gradients: dq (B, S_r, q, D), dk and dv (B, S, 2, slice, D) for every gathered row
@@ -266,7 +269,7 @@ void allgather_backward(Communicator& comm, const Problem& p, const ParallelOpti
         store_floats(row + h * dim, dim, dtype, head_ptr(p.dk, r, slice.first + h));
         store_floats(row + (slice.count + h) * dim, dim, dtype, head_ptr(p.dv, r, slice.first + h));
       }
-  }
+  });
 }
 
 }  // namespace ringflash::parallel

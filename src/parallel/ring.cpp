@@ -231,6 +231,31 @@ void store_from_fp32(const float* src, const TensorView& t) {
   });
 }
 
+// A zeroed fp32 accumulator for a (B, rows, H, D) output: the output itself when it is fp32, else
+// a contiguous buffer that store() rounds into the output.
+class Fp32Accumulator {
+ public:
+  explicit Fp32Accumulator(const TensorView& out) : out_(out), acc_(out) {
+    if (out.dtype() != DType::kFloat32) {
+      buffer_.resize(static_cast<size_t>(out.numel()));
+      acc_ = contiguous(buffer_.data(), DType::kFloat32, out.size(0), out.size(1), out.size(2), out.size(3));
+    }
+    fill(acc_, 0.0f);
+  }
+  // acc_ may point into buffer_.
+  Fp32Accumulator(const Fp32Accumulator&) = delete;
+  Fp32Accumulator& operator=(const Fp32Accumulator&) = delete;
+
+  const TensorView& view() const { return acc_; }
+  void store() const {
+    if (acc_.data() != out_.data()) store_from_fp32(buffer_.data(), out_);
+  }
+
+ private:
+  TensorView out_, acc_;
+  std::vector<float> buffer_;
+};
+
 // ---- the ring -----------------------------------------------------------------------------
 
 // One rank's K and V, (B, rows, Hkv, D) each.
@@ -255,14 +280,8 @@ class Ring {
   }
 
   void forward() {
-    const TensorView out = batched(p_.out, p_.packed), lse = batched(p_.lse, p_.packed);
-    std::vector<float> out_buffer;
-    TensorView acc = out;  // fp32 accumulator: the caller's out when it is fp32
-    if (out.dtype() != DType::kFloat32) {
-      out_buffer.resize(static_cast<size_t>(out.numel()));
-      acc = contiguous(out_buffer.data(), DType::kFloat32, out.size(0), out.size(1), out.size(2), out.size(3));
-    }
-    fill(acc, 0.0f);
+    const TensorView lse = batched(p_.lse, p_.packed);
+    const Fp32Accumulator out(batched(p_.out, p_.packed));
     fill_lse(lse, -std::numeric_limits<float>::infinity());
 
     prepare_travel();
@@ -271,23 +290,17 @@ class Ring {
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
       for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
-        attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(acc, q), lse_rows(lse, q), params);
+        attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out.view(), q), lse_rows(lse, q), params);
       });
       if (kv_in) kv_in->wait();
     }
-    if (acc.data() != out.data()) store_from_fp32(out_buffer.data(), out);
+    out.store();
   }
 
   void backward() {
     const TensorView out = batched(p_.out, p_.packed), dout = batched(p_.dout, p_.packed);
-    const TensorView lse = batched(p_.lse, p_.packed), dq = batched(p_.dq, p_.packed);
-    std::vector<float> dq_buffer;
-    TensorView dq_acc = dq;  // fp32 accumulator: the caller's dq when it is fp32
-    if (dq.dtype() != DType::kFloat32) {
-      dq_buffer.resize(static_cast<size_t>(dq.numel()));
-      dq_acc = contiguous(dq_buffer.data(), DType::kFloat32, dq.size(0), dq.size(1), dq.size(2), dq.size(3));
-    }
-    fill(dq_acc, 0.0f);
+    const TensorView lse = batched(p_.lse, p_.packed);
+    const Fp32Accumulator dq(batched(p_.dq, p_.packed));
 
     // dK/dV of the K/V being visited, [dk | dv] in fp32: two accumulators that travel in turn
     // (one is being sent while the other is received) and one block that the kernel adds into.
@@ -309,7 +322,7 @@ class Ring {
       bool computed = false;
       for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
         attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
-                           rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
+                           rows(dq.view(), q), rows(grads.k, k), rows(grads.v, k), params);
         computed = true;
       });
       std::vector<float>& carried = acc[s % 2];
@@ -340,7 +353,7 @@ class Ring {
     const KeyValues own = grad_views(*mine, rank_);
     store_from_fp32(own.k.data_as<float>(), batched(p_.dk, p_.packed));
     store_from_fp32(own.v.data_as<float>(), batched(p_.dv, p_.packed));
-    if (dq_acc.data() != dq.data()) store_from_fp32(dq_buffer.data(), dq);
+    dq.store();
   }
 
  private:
