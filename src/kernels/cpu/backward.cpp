@@ -37,15 +37,18 @@ struct WorkItem {
 // A work item's scratch, carved from the running thread's kWorkerTiles buffer.
 struct BackwardScratch {
   float *st, *ds, *tanh_grad;  // P^T, dP^T then dS^T, softcap derivative: kBlockN x kBlockM
-  float *dk, *dv;              // kBlockN x padded accumulators
+  float *dk, *dv;              // kBlockN x padded accumulators of one query head
+  float *dk_sum, *dv_sum;      // their sums over the heads of a GQA group
   explicit BackwardScratch(int64_t padded) {
     constexpr int64_t kTile = kBlockN * kBlockM;
-    float* p = workspace(Buffer::kWorkerTiles, static_cast<size_t>(3 * kTile + 2 * kBlockN * padded));
+    float* p = workspace(Buffer::kWorkerTiles, static_cast<size_t>(3 * kTile + 4 * kBlockN * padded));
     st = p;
     ds = p + kTile;
     tanh_grad = p + 2 * kTile;
     dk = p + 3 * kTile;
     dv = dk + kBlockN * padded;
+    dk_sum = dv + kBlockN * padded;
+    dv_sum = dk_sum + kBlockN * padded;
   }
 };
 
@@ -218,12 +221,23 @@ class Backward {
       const int64_t pk0 = s.pos_k + j0;
       const int64_t key_tile = k_by_key_.index(b, hk, j0 / kBlockN);
       const KeyTile keys{k_by_key_.operand(key_tile), v_by_key_.operand(key_tile), k_by_dim_.operand(key_tile)};
-      std::fill(w.dk, w.dk + kBlockN * dp_, 0.0f);
-      std::fill(w.dv, w.dv + kBlockN * dp_, 0.0f);
+      // Each query head of the group sums into its own accumulators, which are then added up: a
+      // chain of group x rows additions would lose precision as the group grows (MQA).
+      const int64_t tile_floats = kBlockN * dp_;
+      std::fill(w.dk, w.dk + tile_floats, 0.0f);
+      std::fill(w.dv, w.dv + tile_floats, 0.0f);
+      if (group_ > 1) {
+        std::fill(w.dk_sum, w.dk_sum + tile_floats, 0.0f);
+        std::fill(w.dv_sum, w.dv_sum + tile_floats, 0.0f);
+      }
       int64_t first, last;
       t_.mask.query_span(pk0, pk0 + n, s.pos_q, s.pos_q + s.len_q, &first, &last);
       const int64_t t_first = (first - s.pos_q) / kBlockM, t_last = (last - s.pos_q + kBlockM - 1) / kBlockM;
       for (int64_t g = 0; g < group_ && first < last; ++g) {
+        if (g > 0) {
+          add_and_clear(w.dk_sum, w.dk, n * dp_);
+          add_and_clear(w.dv_sum, w.dv, n * dp_);
+        }
         const int64_t h = hk * group_ + g;
         const float alibi = a_.alibi_slopes ? a_.alibi_slopes[b * a_.alibi_batch_stride + h] * kLog2e : 0.0f;
         for (int64_t t = t_first; t < t_last; ++t) {
@@ -235,7 +249,20 @@ class Backward {
           run_step(step, keys, dq_acc(item.chunk, tile), w);
         }
       }
-      write_kv(b, hk, s.row_k + j0, n, w);
+      if (group_ > 1) {
+        add_and_clear(w.dk_sum, w.dk, n * dp_);
+        add_and_clear(w.dv_sum, w.dv, n * dp_);
+      }
+      write_kv(b, hk, s.row_k + j0, n, group_ > 1 ? w.dk_sum : w.dk, group_ > 1 ? w.dv_sum : w.dv);
+    }
+  }
+
+  // sum += part, then part = 0; `count` is a multiple of kVecWidth.
+  static void add_and_clear(float* sum, float* part, int64_t count) {
+    const Vec zero = splat(0.0f);
+    for (int64_t i = 0; i < count; i += kVecWidth) {
+      store(sum + i, load(sum + i) + load(part + i));
+      store(part + i, zero);
     }
   }
 
@@ -278,10 +305,10 @@ class Backward {
     gemm<true, UnitStrideTile>(d_, kBlockM, n, {kd.a, kd.a_rs, kd.a_cs, ds, kBlockM, dqt, kBlockM});
   }
 
-  void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const BackwardScratch& w) const {
+  void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const float* dk, const float* dv) const {
     for (int64_t r = 0; r < n; ++r) {
-      store_grad(w.dk + r * dp_, a_.dk, b, row0 + r, hk);
-      store_grad(w.dv + r * dp_, a_.dv, b, row0 + r, hk);
+      store_grad(dk + r * dp_, a_.dk, b, row0 + r, hk);
+      store_grad(dv + r * dp_, a_.dv, b, row0 + r, hk);
     }
   }
 
