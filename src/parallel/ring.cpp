@@ -2,8 +2,10 @@
 //
 // At step s rank r holds the K/V of rank (r - s) mod P and runs the single-device kernel, in
 // accumulate mode, on every pair (query piece of r, key piece of that rank) that the mask does
-// not leave empty. Forward merges into fp32 (out, lse); backward adds into fp32 dq (local) and into
-// fp32 dK/dV accumulators that travel with the K/V and are sent home at the end. The transfer for
+// not leave empty. Forward merges into fp32 (out, lse); backward adds into fp32 dq (local), into
+// this rank's own fp32 dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a
+// partial starts on the rank after its K/V's home, travels with the K/V, and its last hop lands at
+// home, where it is added to that rank's own (P - 1 hops, as the K/V make). The transfer for
 // step s + 1 is posted before step s computes. With a window, the ring stops after the last step
 // any rank needs, so farther transfers never happen.
 //
@@ -302,10 +304,14 @@ class Ring {
     const TensorView lse = batched(p_.lse, p_.packed);
     const Fp32Accumulator dq(batched(p_.dq, p_.packed));
 
-    // dK/dV of the K/V being visited, [dk | dv] in fp32: two accumulators that travel in turn
-    // (one is being sent while the other is received) and one block that the kernel adds into.
-    std::vector<float> acc[2], block;
-    for (auto* b : {&acc[0], &acc[1], &block}) b->resize(static_cast<size_t>(2 * kv_elements_));
+    // dK/dV in fp32, [dk | dv]. `own` holds this rank's contribution to its own block. The partial
+    // sum of the other ranks' contributions to a block starts on the rank after its home, travels
+    // with the block's K/V, and its last hop lands at home, where it is added to `own`: P - 1 hops
+    // for a full ring. Two partials travel in turn (one is being sent while the other is
+    // received); from step 2 on, the kernel adds into `block`, which is then added to the partial
+    // arriving from the previous rank.
+    std::vector<float> own(static_cast<size_t>(2 * rows_elements(rank_))), partial[2], block;
+    for (auto* b : {&partial[0], &partial[1], &block}) b->resize(static_cast<size_t>(2 * kv_elements_));
 
     prepare_travel();
     std::unique_ptr<CommRequest> grads_in;
@@ -313,9 +319,8 @@ class Ring {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      // Step 0 adds straight into the first accumulator; later steps into `block`, which is then
-      // added to the accumulator arriving from the previous rank.
-      std::vector<float>& target = s == 0 ? acc[0] : block;
+      std::vector<float>& carried = partial[s % 2];
+      std::vector<float>& target = s == 0 ? own : s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
       fill(grads.k, 0.0f);
       fill(grads.v, 0.0f);
@@ -325,34 +330,34 @@ class Ring {
                            rows(dq.view(), q), rows(grads.k, k), rows(grads.v, k), params);
         computed = true;
       });
-      std::vector<float>& carried = acc[s % 2];
-      if (s > 0) {
+      if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
         if (computed)
           for (int64_t e = 0; e < n; ++e) carried[e] += block[e];
       }
-      if (s + 1 < steps_) {
+      if (s > 0 && s + 1 < steps_) {
         const int64_t next_src = source(s + 1);
         grads_in = comm_.send_recv(transfer(next(), carried.data(), 2 * rows_elements(src) * sizeof(float), prev(),
-                                            acc[(s + 1) % 2].data(), 2 * rows_elements(next_src) * sizeof(float)));
+                                            partial[(s + 1) % 2].data(), 2 * rows_elements(next_src) * sizeof(float)));
       }
       if (kv_in) kv_in->wait();
     }
 
-    // The accumulator held last belongs to rank (r - steps + 1) mod P; send it home and receive
-    // this rank's own from rank (r + steps - 1) mod P.
-    std::vector<float>* mine = &acc[0];
+    // The partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
+    // rank's own arrives from rank (r + steps - 1) mod P.
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
-      mine = &acc[steps_ % 2];
-      comm_.send_recv(transfer(home, acc[(steps_ - 1) % 2].data(), 2 * rows_elements(home) * sizeof(float), from,
-                               mine->data(), 2 * rows_elements(rank_) * sizeof(float)))
+      std::vector<float>& arrived = partial[steps_ % 2];
+      const int64_t n = 2 * rows_elements(rank_);
+      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2].data(), 2 * rows_elements(home) * sizeof(float), from,
+                               arrived.data(), n * sizeof(float)))
           ->wait();
+      for (int64_t e = 0; e < n; ++e) own[e] += arrived[e];
     }
-    const KeyValues own = grad_views(*mine, rank_);
-    store_from_fp32(own.k.data_as<float>(), batched(p_.dk, p_.packed));
-    store_from_fp32(own.v.data_as<float>(), batched(p_.dv, p_.packed));
+    const KeyValues mine = grad_views(own, rank_);
+    store_from_fp32(mine.k.data_as<float>(), batched(p_.dk, p_.packed));
+    store_from_fp32(mine.v.data_as<float>(), batched(p_.dv, p_.packed));
     dq.store();
   }
 

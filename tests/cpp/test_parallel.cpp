@@ -594,9 +594,10 @@ TEST(ParallelFaults, RankFailsInsideTheRing) {
 
 // ---- transfers that a window makes unnecessary are skipped --------------------------------
 
-// Bytes rank 0 sends in a ring forward over 4 ranks of S = 400 (100 rows each).
-uint64_t ring_bytes_sent(MaskKind mask) {
-  ParallelCase c = make_case(Strategy::kRing, false, mask, 4, 2, 4);
+// Bytes rank 0 sends in one call of `strategy` over 4 ranks of S = 400 (100 rows each), fp32, 2 KV
+// heads of 16.
+uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask) {
+  ParallelCase c = make_case(strategy, backward, mask, 4, 2, 4);
   c.seqlen = 400;
   c.batch = 1;
   c.window_left = 10;
@@ -610,12 +611,27 @@ uint64_t ring_bytes_sent(MaskKind mask) {
   return bytes;
 }
 
+constexpr uint64_t kBlockBytes = 100 * 2 * 16 * sizeof(float);  // one rank's K, V, dK or dV
+
 TEST(ParallelTransfers, WindowSkipsFartherSteps) {
   SKIP_UNDER_MPI();
-  const uint64_t causal = ring_bytes_sent(MaskKind::kCausal), sliding = ring_bytes_sent(MaskKind::kCausalWindow);
+  const uint64_t causal = bytes_sent(Strategy::kRing, false, MaskKind::kCausal);
+  const uint64_t sliding = bytes_sent(Strategy::kRing, false, MaskKind::kCausalWindow);
   // A window of 10 behind each query needs only the previous rank's K/V: one step instead of three.
-  const uint64_t kv_step = 2 * 100 * 2 * 16 * sizeof(float);  // K and V: 100 rows x 2 heads x 16
-  EXPECT_EQ(causal - sliding, 2 * kv_step) << "causal " << causal << " bytes, sliding window " << sliding;
+  EXPECT_EQ(causal - sliding, 2 * 2 * kBlockBytes) << "causal " << causal << " bytes, sliding window " << sliding;
+}
+
+// Backward moves the K/V as forward does, and dK/dV partials as far: P - 1 hops, since a block's
+// partial starts on the rank after its home and its last hop lands at home. (The cross-rank
+// validation of a call sends the same bytes in both directions.)
+TEST(ParallelTransfers, BackwardPartialsTravelAsFarAsTheKeyValues) {
+  SKIP_UNDER_MPI();
+  for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag, Strategy::kStripe}) {
+    const uint64_t forward = bytes_sent(strategy, false, MaskKind::kCausal);
+    const uint64_t backward = bytes_sent(strategy, true, MaskKind::kCausal);
+    EXPECT_EQ(backward - forward, 3 * 2 * kBlockBytes)
+        << strategy_name(strategy) << ": forward " << forward << " bytes, backward " << backward;
+  }
 }
 
 }  // namespace
