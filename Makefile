@@ -32,9 +32,11 @@ CTEST_ARGS ?=
 CUDA_ARCHITECTURES ?= 80;90
 
 TORCH_VERSION := 2.13.0
+TRANSFORMERS_VERSION := 5.23.0
 APT_PACKAGES := cmake ninja-build g++ libgtest-dev googletest libopenmpi-dev openmpi-bin
-PIP_PACKAGES := torch==$(TORCH_VERSION) nanobind scikit-build-core ninja pytest numpy
-PIP_IMPORTS := torch, nanobind, scikit_build_core, ninja, pytest, numpy
+PIP_PACKAGES := torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) nanobind scikit-build-core ninja \
+                pytest numpy
+PIP_IMPORTS := torch, transformers, nanobind, scikit_build_core, ninja, pytest, numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # The Python package is reinstalled when a file it is built from changes.
@@ -67,7 +69,8 @@ setup-python:
 	@if ! $(PYTHON) -m pip --version >/dev/null 2>&1; then \
 	  echo "setup: $(PYTHON) has no pip; use a Python with pip, e.g. make PYTHON=/path/to/venv/bin/python"; exit 1; fi
 	@if ! $(PYTHON) -c "import sys, $(PIP_IMPORTS); \
-	  sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
+	  sys.exit(torch.__version__.split('+')[0] != '$(TORCH_VERSION)' \
+	           or transformers.__version__ != '$(TRANSFORMERS_VERSION)')" 2>/dev/null; then \
 	  echo "setup: pip install $(PIP_PACKAGES)"; \
 	  $(PYTHON) -m pip install -q --root-user-action=ignore $(PIP_PACKAGES); \
 	fi

@@ -1,8 +1,13 @@
 """ringflash: exact flash attention for long sequences.
 
 Single device, flash-attn's API: ``flash_attn_func``, ``flash_attn_varlen_func`` and their packed
-variants. The torch custom ops behind them are ``torch.ops.ringflash.attention_forward`` and
-``attention_backward`` (see ``ringflash.ops``); the C++ core is ``ringflash._C``.
+variants; chunked attention (``chunked_attention``); ``import ringflash.auto`` routes
+``scaled_dot_product_attention`` to ringflash. Sequence parallel: ``parallel_attention`` with the
+strategies ring, zigzag, stripe, allgather, ulysses and hybrid over any torch.distributed group or
+MPI (``ringflash.distributed``); the drop-in modules ``ringflash.ring_flash_attn``,
+``ringflash.sp_aurora`` and ``ringflash.yunchang``; Hugging Face models through ``ringflash.hf``.
+The torch custom ops are in ``ringflash.ops``, ``ringflash.parallel`` and ``ringflash.chunked``;
+the C++ core is ``ringflash._C``.
 
 Every error the library raises is a ``ringflash.Error``: ``InvalidArgument`` (also a ``ValueError``),
 ``NotSupported`` (``NotImplementedError``), ``DeviceError`` and ``CommError`` (``RuntimeError``).
@@ -10,7 +15,9 @@ Every error the library raises is a ``ringflash.Error``: ``InvalidArgument`` (al
 
 from . import _C
 from ._C import CommError, DeviceError, Error, InvalidArgument, NotSupported
-from . import ops
+from . import chunked, distributed, ops, parallel
+from .chunked import ChunkedAttention, chunked_attention, flash_attention_qkv_packed
+from .distributed import selected, setup_mpi_distributed
 from .interface import (
     Support,
     attention_support,
@@ -21,10 +28,12 @@ from .interface import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
+from .parallel import ParallelGroup, init_process_groups, parallel_attention, parallel_group, shard_positions
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChunkedAttention",
     "CommError",
     "DeviceError",
     "Error",
@@ -32,8 +41,13 @@ __all__ = [
     "NotSupported",
     "Support",
     "__version__",
+    "ParallelGroup",
     "attention_support",
     "build_info",
+    "chunked",
+    "chunked_attention",
+    "distributed",
+    "flash_attention_qkv_packed",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
@@ -43,7 +57,14 @@ __all__ = [
     "has_cuda",
     "has_mpi",
     "has_nccl",
+    "init_process_groups",
     "ops",
+    "parallel",
+    "parallel_attention",
+    "parallel_group",
+    "selected",
+    "setup_mpi_distributed",
+    "shard_positions",
 ]
 
 
