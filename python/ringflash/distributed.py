@@ -23,6 +23,7 @@ import atexit
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Dict, List, Optional
 
@@ -130,9 +131,22 @@ class _TorchBridge:
         return dist.batch_isend_irecv(p2p) if p2p else []
 
     def wait(self, works, seconds):
-        for work in works:
-            if not work.wait(timeout=timedelta(seconds=seconds)):
-                raise TimeoutError(f"a message did not complete within {seconds:g} s")
+        deadline = time.monotonic() + seconds
+        try:
+            for work in works:
+                left = max(deadline - time.monotonic(), 0.001)
+                if not work.wait(timeout=timedelta(seconds=left)):
+                    raise TimeoutError(f"a message did not complete within {seconds:g} s")
+        except BaseException:
+            # The library frees the buffers when the error reaches it: nothing may write into them
+            # later, so every message still in flight is aborted.
+            for work in works:
+                if not work.is_completed():
+                    try:
+                        work.abort()
+                    except Exception:  # backends without abort: the message stays posted
+                        pass
+            raise
 
 
 _mpi_world = None
@@ -182,6 +196,9 @@ def communicator(group=None, device="cpu") -> Optional["_C.Communicator"]:
         raise _C.InvalidArgument("[communicator] group was given, but torch.distributed is not initialised")
     if transport == "none":
         return None
+    if group is not None and dist.get_rank(group) < 0:
+        raise _C.InvalidArgument(f"[communicator] this process (rank {dist.get_rank()}) is not a member of the group "
+                                 f"of ranks {dist.get_process_group_ranks(group)}")
     key = (transport, group if group is not None else "world", device.type, device.index)
     comm = _communicators.get(key)
     if comm is not None:
