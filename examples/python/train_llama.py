@@ -1,8 +1,8 @@
 """Trains a small Llama on one long packed sequence, split across ranks, with each strategy.
 
-    torchrun --nproc_per_node 4 examples/train_llama.py
-    mpiexec -n 4 python examples/train_llama.py
-    torchrun --nproc_per_node 4 examples/train_llama.py --strategies zigzag,ulysses --seqlen 8192
+    torchrun --nproc_per_node 4 examples/python/train_llama.py
+    mpiexec -n 4 python examples/python/train_llama.py
+    torchrun --nproc_per_node 4 examples/python/train_llama.py --strategies zigzag,ulysses --seqlen 8192
 
 A randomly initialised LlamaForCausalLM (no download; GQA: 8 query heads, 2 key/value heads) runs
 unchanged on ringflash attention: `ringflash.hf.apply(model, strategy)` is the only change to the
