@@ -4,7 +4,8 @@
 #   make setup       system packages (apt), Python packages (pip), the ringflash Python package
 #   make build       C++ library, tests and benchmarks in build/ (Release, Ninja)
 #   make demo        CPU kernel against a float64 reference, then every strategy over 4 CPU ranks
-#                    (ringflash-bench, S = 16384) against the single-device kernel
+#                    (ringflash-bench, S = 16384) against the single-device kernel, then `make train`
+#   make train       a small Llama trains with every strategy over 4 CPU ranks (torchrun, gloo)
 #   make test        C++ tests (ctest), then Python tests (pytest)
 #   make test-asan   C++ tests built with AddressSanitizer and UBSan in build-asan/
 #   make cuda-check  compiles the library with CUDA in build-cuda/ when nvcc is present
@@ -13,7 +14,7 @@
 #   make clean       removes the build directories
 #
 # Variables: PYTHON, BUILD_DIR, CMAKE_ARGS (extra -D options for build/), BENCH_ARGS, DEMO_ARGS
-# (extra ringflash-bench flags), CTEST_ARGS.
+# (extra ringflash-bench flags), TRAIN_ARGS (extra examples/python/train_llama.py flags), CTEST_ARGS.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -28,6 +29,7 @@ EXAMPLE_DIR ?= $(BUILD_DIR)/example-cpp
 CMAKE_ARGS ?=
 BENCH_ARGS ?=
 DEMO_ARGS ?=
+TRAIN_ARGS ?=
 CTEST_ARGS ?=
 CUDA_ARCHITECTURES ?= 80;90
 
@@ -49,7 +51,7 @@ ifneq ($(shell $(PYTHON) -c "import importlib.util as u, sys; sys.exit(u.find_sp
 .PHONY: $(PY_STAMP)
 endif
 
-.PHONY: setup setup-system setup-python build demo test test-cpp test-python test-asan cuda-check \
+.PHONY: setup setup-system setup-python build demo train test test-cpp test-python test-asan cuda-check \
         bench example clean
 
 setup: setup-system setup-python $(PY_STAMP)
@@ -89,6 +91,11 @@ build: setup-system
 demo: setup build
 	$(PYTHON) bench/reference_check.py
 	$(BUILD_DIR)/bench/ringflash-bench --world 4 --seqlen 16384 --iters 3 --warmup 1 $(DEMO_ARGS)
+	$(MAKE) --no-print-directory train
+
+# A small Llama trains on one long packed sequence with every strategy over 4 CPU ranks (torchrun).
+train: setup
+	$(PYTHON) -m torch.distributed.run --nproc_per_node 4 examples/python/train_llama.py $(TRAIN_ARGS)
 
 test: test-cpp test-python
 
