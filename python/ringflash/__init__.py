@@ -15,7 +15,7 @@ Every error the library raises is a ``ringflash.Error``: ``InvalidArgument`` (al
 
 from . import _C
 from ._C import CommError, DeviceError, Error, InvalidArgument, NotSupported
-from . import chunked, distributed, ops, parallel
+from . import chunked, distributed, ops, parallel, sp_aurora, yunchang
 from .chunked import ChunkedAttention, chunked_attention, flash_attention_qkv_packed
 from .distributed import selected, setup_mpi_distributed
 from .interface import (
@@ -65,6 +65,8 @@ __all__ = [
     "selected",
     "setup_mpi_distributed",
     "shard_positions",
+    "sp_aurora",
+    "yunchang",
 ]
 
 
