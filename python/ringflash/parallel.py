@@ -20,7 +20,7 @@ implementations and autograd, so ``torch.compile(fullgraph=True)`` traces them. 
 to them as an int handle (``ParallelGroup.handle``).
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from torch import Tensor
 
 from . import _C
 from .distributed import communicator
+from .interface import _window
 
 __all__ = [
     "ParallelGroup",
@@ -268,14 +269,6 @@ def _backward(ctx, dout, dlse):
 
 
 parallel_forward.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _window(op: str, window_size: Sequence[int]) -> Tuple[int, int]:
-    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
-    ok = ok and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    if not ok:
-        raise _C.InvalidArgument(f"[{op}] window_size must be a pair of ints (left, right), got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
 
 
 def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag", group=None, *,
