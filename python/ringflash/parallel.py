@@ -129,6 +129,16 @@ def init_process_groups(ulysses_degree: int, ring_degree: int, use_ulysses_low: 
     return parallel_group(ulysses=ulysses_pg, ring=ring_pg, ring_layout=ring_layout)
 
 
+@torch.compiler.assume_constant_result
+def _handle(group) -> int:
+    """parallel_group(group).handle, run eagerly even while torch.compile traces the caller: the
+    group must be registered before the traced op runs (a traced registration would happen after).
+    While tracing, a process group arrives wrapped as a fake object; the group is the real one."""
+    if type(group).__name__ == "FakeScriptObject":
+        group = object.__getattribute__(group, "real_obj")
+    return parallel_group(group).handle
+
+
 def _group_kwargs(strategy: str, group: ParallelGroup, device) -> dict:
     world, ulysses, ring = group.communicators(device)
     if strategy == "hybrid" and not group.is_hybrid:
@@ -290,12 +300,11 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
         raise _C.InvalidArgument(f"[{op}] strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if dropout_p != 0.0:
         raise _C.NotSupported(f"[{op}] dropout_p must be 0 (dropout is not supported), got {dropout_p}")
-    if not isinstance(group, ParallelGroup):
-        group = parallel_group(group)
+    handle = group.handle if isinstance(group, ParallelGroup) else _handle(group)
     left, right = _window(op, window_size)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise _C.InvalidArgument(f"[{op}] {name} must be on {q.device} like q, got {t.device}")
     out, lse = parallel_forward(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
-                                float(softcap), strategy, group.handle, int(kv_heads_per_gather))
+                                float(softcap), strategy, handle, int(kv_heads_per_gather))
     return (out, lse) if return_lse else out

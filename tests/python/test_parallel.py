@@ -95,13 +95,13 @@ def _compile_body(rank, world):
     pos = shard_positions(64, "ulysses")
     ql, kl, vl = (t[:, pos].clone().requires_grad_() for t in (q, k, v))
     results = {}
-    for strategy in ("ring", "ulysses"):
-        def fn(q, k, v, strategy=strategy):
-            return parallel_attention(q, k, v, strategy, causal=True) * 2.0
+    # Compiled before any eager call, so the groups are first registered while tracing.
+    for strategy, group in (("ring", None), ("ulysses", dist.group.WORLD)):
+        def fn(q, k, v, strategy=strategy, group=group):
+            return parallel_attention(q, k, v, strategy, group, causal=True) * 2.0
 
-        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        got = torch.compile(fn, fullgraph=True, backend="eager")(ql, kl, vl)
         eager = fn(ql, kl, vl)
-        got = compiled(ql, kl, vl)
         got.sum().backward()
         results[strategy] = (torch.equal(eager, got), ql.grad is not None)
     return results
