@@ -15,7 +15,7 @@ Every error the library raises is a ``ringflash.Error``: ``InvalidArgument`` (al
 
 from . import _C
 from ._C import CommError, DeviceError, Error, InvalidArgument, NotSupported
-from . import chunked, distributed, ops, parallel, sp_aurora, yunchang
+from . import chunked, distributed, ops, parallel, ring_flash_attn, sp_aurora, yunchang
 from .chunked import ChunkedAttention, chunked_attention, flash_attention_qkv_packed
 from .distributed import selected, setup_mpi_distributed
 from .interface import (
@@ -62,6 +62,7 @@ __all__ = [
     "parallel",
     "parallel_attention",
     "parallel_group",
+    "ring_flash_attn",
     "selected",
     "setup_mpi_distributed",
     "shard_positions",

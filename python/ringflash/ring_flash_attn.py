@@ -69,7 +69,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _window
-from .parallel import ParallelGroup, parallel_attention, parallel_group
+from .parallel import ParallelGroup, _handle, parallel_attention
 
 __all__ = [
     "llama3_flash_attn_prepare_cu_seqlens",
@@ -125,12 +125,8 @@ def _check_dropout(op: str, dropout_p) -> None:
 
 
 def _as_parallel_group(group) -> ParallelGroup:
-    return group if isinstance(group, ParallelGroup) else parallel_group(group)
-
-
-# Made now, not inside a torch.compile trace: a ParallelGroup's first creation registers it, a
-# side effect that the trace would only replay after the op that needs its handle had run.
-parallel_group(None)
+    # _handle registers the group eagerly, also while torch.compile traces the caller.
+    return group if isinstance(group, ParallelGroup) else ParallelGroup._registry[_handle(group)]
 
 
 def _group_size(pg: ParallelGroup, device) -> int:
