@@ -273,10 +273,12 @@ def _mpi_main():
               shard_positions(MPI_SEQLEN, "ring"), what=f"sp_aurora_func under mpiexec, rank {info['rank']}")
     cleanup_distributed()
     assert not torch.distributed.is_initialized()
-    print(f"rank {info['rank']} mpi ok", flush=True)
+    # A file per rank: lines that ranks print to one stdout may interleave.
+    with open(os.path.join(sys.argv[1], f"rank{info['rank']}"), "w") as f:
+        f.write("mpi ok")
 
 
-def test_mpiexec_launch_runs_sp_aurora_func_over_mpi():
+def test_mpiexec_launch_runs_sp_aurora_func_over_mpi(tmp_path):
     import pytest
 
     mpiexec = shutil.which("mpiexec")
@@ -286,11 +288,10 @@ def test_mpiexec_launch_runs_sp_aurora_func_over_mpi():
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     for name in ("RINGFLASH_TRANSPORT", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         env.pop(name, None)
-    result = subprocess.run([mpiexec, "--oversubscribe", "-n", "2", sys.executable, os.path.abspath(__file__)],
-                            env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run([mpiexec, "--oversubscribe", "-n", "2", sys.executable, os.path.abspath(__file__),
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert sorted(line for line in result.stdout.splitlines() if "mpi ok" in line) == ["rank 0 mpi ok",
-                                                                                       "rank 1 mpi ok"], result.stdout
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["mpi ok"] * 2, result.stdout
 
 
 if __name__ == "__main__":
