@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import _C
 from .interface import _window
-from .ops import _check_traced, _detach, _lse_shape, _stream
+from .ops import _check_traced, _detach, _empty_grads, _empty_outputs, _register_autograd, _stream
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -216,8 +216,7 @@ def chunked_attention_forward(
     op = "chunked_attention_forward"
     _check_chunk_options(op, num_chunks_q, num_chunks_kv, max_chunk_bytes)
     q, k, v, alibi_slopes = (_detach(t) for t in (q, k, v, alibi_slopes))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed=False), dtype=torch.float32, device=q.device)  # (B, Hq, Sq)
+    out, lse = _empty_outputs(q, packed=False)  # lse (B, Hq, Sq)
     options = _kernel_options(q, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
                               deterministic)
     if not _supported(op, q, k, v, options, q_offset, k_offset):
@@ -255,9 +254,7 @@ def _chunked_attention_forward_fake(q, k, v, alibi_slopes, softmax_scale, causal
     op = "chunked_attention_forward"
     _check_chunk_options(op, num_chunks_q, num_chunks_kv, max_chunk_bytes)
     _check_traced(op, [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)], packed=False)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed=False), dtype=torch.float32, device=q.device)
-    return out, lse
+    return _empty_outputs(q, packed=False)
 
 
 @torch.library.custom_op("ringflash::chunked_attention_backward", mutates_args=())
@@ -286,9 +283,7 @@ def chunked_attention_backward(
     op = "chunked_attention_backward"
     _check_chunk_options(op, num_chunks_q, num_chunks_kv, max_chunk_bytes)
     dout, q, k, v, out, lse, alibi_slopes = (_detach(t) for t in (dout, q, k, v, out, lse, alibi_slopes))
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_grads(q, k, v)
     options = _kernel_options(q, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
                               deterministic)
     if not _supported(op, q, k, v, options, q_offset, k_offset):
@@ -330,33 +325,10 @@ def _chunked_attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, soft
     _check_chunk_options(op, num_chunks_q, num_chunks_kv, max_chunk_bytes)
     _check_traced(op, [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
                        ("alibi_slopes", alibi_slopes)], packed=False)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    return dq, dk, dv
+    return _empty_grads(q, k, v)
 
 
-_NUM_FORWARD_OPTIONS = 12  # the inputs of chunked_attention_forward after q, k, v
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, alibi_slopes, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = chunked_attention_backward(dout, q, k, v, out, lse, alibi_slopes, *ctx.options)
-    return (dq, dk, dv) + (None,) * _NUM_FORWARD_OPTIONS
-
-
-chunked_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(chunked_attention_forward, chunked_attention_backward, num_tensors=1)  # alibi_slopes
 
 
 def _attention(op: str, q, k, v, num_chunks_q, num_chunks_kv, causal, softmax_scale, window_size, softcap,

@@ -58,6 +58,18 @@ def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.detach()
 
 
+def _empty_outputs(q: Tensor, packed: bool) -> Tuple[Tensor, Tensor]:
+    """Uninitialised (out, lse) for q: out contiguous like q, lse float32 (see _lse_shape)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _empty_grads(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Uninitialised contiguous (dq, dk, dv) of the shapes and dtypes of q, k and v."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
 @torch.library.custom_op("ringflash::attention_forward", mutates_args=())
 def attention_forward(
     q: Tensor,
@@ -76,9 +88,7 @@ def attention_forward(
 ) -> Tuple[Tensor, Tensor]:
     """Returns (out, lse). See the module docstring for layouts."""
     # The library writes every row, also those of a packed tensor that belong to no sequence.
-    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
+    out, lse = _empty_outputs(q, packed=cu_seqlens_q is not None or cu_seqlens_k is not None)
     _C.attention_forward(
         _detach(q), _detach(k), _detach(v), out, lse,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
@@ -94,9 +104,7 @@ def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
                             window_left, window_right, softcap, dropout_p, deterministic):
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_traced("attention_forward", [("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)], packed)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, packed), dtype=torch.float32, device=q.device)
-    return out, lse
+    return _empty_outputs(q, packed)
 
 
 @torch.library.custom_op("ringflash::attention_backward", mutates_args=())
@@ -120,9 +128,7 @@ def attention_backward(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Returns (dq, dk, dv) for the forward with the same options, given its out and lse."""
     # Overwritten whole, rows that belong to no sequence included (they get 0).
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_grads(q, k, v)
     _C.attention_backward(
         _detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
@@ -139,32 +145,31 @@ def _attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check_traced("attention_backward", [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout),
                                          ("lse", lse), ("alibi_slopes", alibi_slopes)], packed)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    return dq, dk, dv
+    return _empty_grads(q, k, v)
 
 
-_NUM_FORWARD_OPTIONS = 10  # the inputs of attention_forward after q, k, v
+def _register_autograd(forward_op, backward_op, num_tensors: int) -> None:
+    """Autograd for a forward op with inputs (q, k, v, `num_tensors` optional tensors such as
+    cu_seqlens and alibi_slopes, then plain options) and outputs (out, lse), whose backward op takes
+    (dout, q, k, v, out, lse, the same tensors, the same options) and returns (dq, dk, dv). Only q,
+    k and v get gradients; lse is not differentiable."""
+
+    def setup_context(ctx, inputs, output):
+        out, lse = output
+        ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + num_tensors])
+        ctx.options = inputs[3 + num_tensors:]
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, dlse):
+        if dout.stride(-1) != 1:
+            # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
+            # (contiguous() would keep the strides of an empty tensor.)
+            dout = dout.clone(memory_format=torch.contiguous_format)
+        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.options)
+        return (dq, dk, dv) + (None,) * (num_tensors + len(ctx.options))
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
-        # (contiguous() would keep the strides of an empty tensor.)
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                    *ctx.options)
-    return (dq, dk, dv) + (None,) * _NUM_FORWARD_OPTIONS
-
-
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+# The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
+_register_autograd(attention_forward, attention_backward, num_tensors=3)

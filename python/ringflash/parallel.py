@@ -29,6 +29,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _window
+from .ops import _detach, _empty_outputs, _lse_shape, _register_autograd
 
 __all__ = [
     "ParallelGroup",
@@ -169,16 +170,6 @@ def shard_positions(seqlen: int, strategy: str = "zigzag", group: Optional[Paral
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _lse_shape(q: Tensor, packed: bool) -> Tuple[int, ...]:
-    if packed:
-        return (q.shape[1], q.shape[0]) if q.dim() == 3 else (0,)
-    return (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (0, 0, 0)
-
-
-def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.detach()
-
-
 def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q):
     return dict(softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
                 softcap=softcap, alibi_slopes=_detach(alibi_slopes), cu_seqlens_q=cu_seqlens,
@@ -204,8 +195,7 @@ def parallel_forward(
 ) -> Tuple[Tensor, Tensor]:
     """(out, lse) of this rank's query shard; see the module docstring."""
     pg = ParallelGroup._registry[group]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32, device=q.device)
+    out, lse = _empty_outputs(q, packed=cu_seqlens is not None)
     options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
     if _single_rank(strategy, pg, q.device):
         _C.attention_forward(_detach(q), _detach(k), _detach(v), out, lse, **options)
@@ -259,26 +249,7 @@ def _parallel_backward_fake(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, s
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_NUM_OPTIONS = 10  # the inputs of parallel_forward after q, k, v
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, alibi_slopes, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, alibi_slopes)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens, alibi_slopes = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = parallel_backward(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, *ctx.options)
-    return (dq, dk, dv) + (None,) * _NUM_OPTIONS
-
-
-parallel_forward.register_autograd(_backward, setup_context=_setup_context)
+_register_autograd(parallel_forward, parallel_backward, num_tensors=2)  # cu_seqlens, alibi_slopes
 
 
 def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag", group=None, *,

@@ -69,6 +69,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _window
+from .ops import _detach, _lse_shape, _register_autograd
 from .parallel import ParallelGroup, _handle, parallel_attention
 
 __all__ = [
@@ -511,10 +512,6 @@ def _reduce_scatter(output: Tensor, input: Tensor, group, async_op: bool = False
     return scatter(output, input, group=group, async_op=async_op)
 
 
-def _detach(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.detach()
-
-
 def _dtype_code(t: Tensor) -> int:
     return _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
 
@@ -644,8 +641,7 @@ def llama3_varlen_forward(
 def _llama3_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal,
                                 window_left, window_right, softcap, deterministic, k_start, k_stop, heads_k_stride,
                                 group):
-    lse_shape = (q.shape[1], q.shape[0]) if q.dim() == 3 else (0,)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, packed=True), dtype=torch.float32)
 
 
 @torch.library.custom_op("ringflash::llama3_varlen_backward", mutates_args=())
@@ -717,27 +713,8 @@ def _llama3_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_LLAMA3_OPTIONS = 13  # the inputs of llama3_varlen_forward after q, k, v
-
-
-def _llama3_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, *options = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.options = options
-    ctx.mark_non_differentiable(lse)
-
-
-def _llama3_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = llama3_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                                        *ctx.options)
-    return (dq, dk, dv) + (None,) * _LLAMA3_OPTIONS
-
-
-llama3_varlen_forward.register_autograd(_llama3_backward, setup_context=_llama3_setup_context)
+# The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
+_register_autograd(llama3_varlen_forward, llama3_varlen_backward, num_tensors=3)
 
 
 def _llama3(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
