@@ -49,7 +49,12 @@ def _window(op: str, window_size: Sequence[int]) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def _results(out: Tensor, lse: Tensor, return_attn_probs: bool, return_softmax_lse: bool):
+def _check_int(op: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise _C.InvalidArgument(f"[{op}] {name} must be an int, got {value!r}")
+
+
+def _results(out: Tensor, lse: Tensor, return_attn_probs: bool, return_softmax_lse: bool = False):
     if return_attn_probs:
         return out, lse, None
     if return_softmax_lse:
@@ -124,8 +129,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         raise _C.NotSupported(f"[{op}] block_table (paged KV cache) is not supported, got a tensor")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-            raise _C.InvalidArgument(f"[{op}] {name} must be an int, got {value!r}")
+        _check_int(op, name, value)
     out, lse = _attention(op, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
                           softcap, alibi_slopes, deterministic)
     return _results(out, lse, return_attn_probs, return_softmax_lse)

@@ -68,7 +68,7 @@ from torch import Tensor
 
 from . import _C
 from .distributed import communicator
-from .interface import _window
+from .interface import _check_int, _results, _window
 from .ops import _detach, _lse_shape, _register_autograd
 from .parallel import ParallelGroup, _handle, parallel_attention
 
@@ -103,21 +103,12 @@ __all__ = [
 
 # ---- shared by every function ----------------------------------------------------------------
 
-def _results(out: Tensor, lse: Tensor, return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
-
-
 def _unpack(op: str, name: str, packed, dim: int, count: int) -> Tuple[Tensor, ...]:
     """Views of `packed` along `dim` (qkv: 3, kv: 2); gradients flow back into `packed`."""
     if not isinstance(packed, Tensor) or packed.dim() <= dim or packed.shape[dim] != count:
         got = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
         raise _C.InvalidArgument(f"[{op}] {name} must have size {count} in dimension {dim}, got {got}")
     return packed.unbind(dim)
-
-
-def _check_int(op: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise _C.InvalidArgument(f"[{op}] {name} must be an int, got {value!r}")
 
 
 def _check_dropout(op: str, dropout_p) -> None:

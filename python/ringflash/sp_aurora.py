@@ -46,7 +46,7 @@ from torch import Tensor
 
 from . import _C
 from .distributed import launched_by_mpiexec, selected, setup_mpi_distributed
-from .interface import flash_attn_func
+from .interface import _results, flash_attn_func
 from .parallel import ParallelGroup, parallel_attention, parallel_group
 
 __all__ = [
@@ -129,10 +129,6 @@ def _unpack(op: str, name: str, packed: Tensor, count: int) -> Tuple[Tensor, ...
         got = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
         raise _C.InvalidArgument(f"[{op}] {name} must have shape (B, S, {count}, H, D), got {got}")
     return packed.unbind(2)
-
-
-def _results(out: Tensor, lse: Tensor, return_attn_probs: bool):
-    return (out, lse, None) if return_attn_probs else out
 
 
 # Ring attention on contiguous shards.
