@@ -14,7 +14,8 @@
 #   make clean       removes the build directories
 #
 # Variables: PYTHON, BUILD_DIR, CMAKE_ARGS (extra -D options for build/), BENCH_ARGS, DEMO_ARGS
-# (extra ringflash-bench flags), TRAIN_ARGS (extra examples/python/train_llama.py flags), CTEST_ARGS.
+# (extra ringflash-bench flags), TRAIN_ARGS (extra examples/python/train_llama.py flags), CTEST_ARGS, CTEST_JOBS
+# (tests run at once; default: the number of cores).
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -31,6 +32,7 @@ BENCH_ARGS ?=
 DEMO_ARGS ?=
 TRAIN_ARGS ?=
 CTEST_ARGS ?=
+CTEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CUDA_ARCHITECTURES ?= 80;90
 
 TORCH_VERSION := 2.13.0
@@ -100,7 +102,7 @@ train: setup
 test: test-cpp test-python
 
 test-cpp: setup build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure --no-tests=error $(CTEST_ARGS)
+	ctest --test-dir $(BUILD_DIR) -j $(CTEST_JOBS) --output-on-failure --no-tests=error $(CTEST_ARGS)
 
 # pytest exits with 5 when it collects no tests; make treats that as a failure like any other.
 test-python: setup
@@ -114,7 +116,7 @@ test-asan: setup-system
 	  -DRINGFLASH_BUILD_TESTS=ON -DRINGFLASH_BUILD_BENCH=OFF -DRINGFLASH_CUDA=OFF
 	@echo '*' > $(ASAN_DIR)/.gitignore
 	cmake --build $(ASAN_DIR)
-	ctest --test-dir $(ASAN_DIR) --output-on-failure --no-tests=error $(CTEST_ARGS)
+	ctest --test-dir $(ASAN_DIR) -j $(CTEST_JOBS) --output-on-failure --no-tests=error $(CTEST_ARGS)
 
 cuda-check: setup-system
 	@nvcc=$$(command -v nvcc || true); \
