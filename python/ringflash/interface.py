@@ -136,10 +136,11 @@ def flash_attn_varlen_func(
 
 
 def _unpack(op: str, name: str, packed: Tensor, dim: int, count: int) -> Tuple[Tensor, ...]:
-    """Views of `packed` along `dim`, which must have size `count` (3 for qkv, 2 for kv)."""
-    if packed.dim() <= dim or packed.shape[dim] != count:
-        raise _C.InvalidArgument(f"[{op}] {name} must have size {count} in dimension {dim}, got shape "
-                                 f"{tuple(packed.shape)}")
+    """Views of `packed` along `dim`, which must have size `count` (3 for qkv, 2 for kv); gradients
+    flow back into `packed`."""
+    if not isinstance(packed, Tensor) or packed.dim() <= dim or packed.shape[dim] != count:
+        got = f"shape {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__
+        raise _C.InvalidArgument(f"[{op}] {name} must have size {count} in dimension {dim}, got {got}")
     return packed.unbind(dim)
 
 

@@ -20,6 +20,7 @@ implementations and autograd, so ``torch.compile(fullgraph=True)`` traces them. 
 to them as an int handle (``ParallelGroup.handle``).
 """
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -75,10 +76,7 @@ class ParallelGroup:
         return communicator(self.world, device), None, None
 
     def size(self, device="cpu") -> int:
-        world, ulysses, ring = self.communicators(device)
-        if self.is_hybrid:
-            return (ulysses.size if ulysses else 1) * (ring.size if ring else 1)
-        return world.size if world else 1
+        return math.prod(c.size for c in self.communicators(device) if c is not None)
 
 
 _groups: Dict[tuple, ParallelGroup] = {}
@@ -140,8 +138,12 @@ def _handle(group) -> int:
     return parallel_group(group).handle
 
 
-def _group_kwargs(strategy: str, group: ParallelGroup, device) -> dict:
+def _group_kwargs(strategy: str, group: ParallelGroup, device) -> Optional[dict]:
+    """The group arguments of _C.parallel_forward/backward/shard, or None when the group is a single
+    rank (nothing to send: the single-device kernels run)."""
     world, ulysses, ring = group.communicators(device)
+    if math.prod(c.size for c in (world, ulysses, ring) if c is not None) == 1:
+        return None
     if strategy == "hybrid" and not group.is_hybrid:
         raise _C.InvalidArgument("[parallel_attention] strategy 'hybrid' needs a group with ulysses and ring groups "
                                  "(parallel_group(ulysses=..., ring=...) or init_process_groups), got one group")
@@ -151,8 +153,9 @@ def _group_kwargs(strategy: str, group: ParallelGroup, device) -> dict:
             "hybrid_ring_layout": group.ring_layout}
 
 
-def _single_rank(strategy: str, group: ParallelGroup, device) -> bool:
-    return group.size(device) == 1
+def _check_dropout(op: str, dropout_p) -> None:
+    if dropout_p != 0.0:
+        raise _C.NotSupported(f"[{op}] dropout_p must be 0 (dropout is not supported), got {dropout_p}")
 
 
 def shard_positions(seqlen: int, strategy: str = "zigzag", group: Optional[ParallelGroup] = None,
@@ -163,9 +166,10 @@ def shard_positions(seqlen: int, strategy: str = "zigzag", group: Optional[Paral
     if strategy not in STRATEGIES:
         raise _C.InvalidArgument(f"[shard_positions] strategy must be one of {', '.join(STRATEGIES)}, "
                                  f"got {strategy!r}")
-    if _single_rank(strategy, group, device):
+    kwargs = _group_kwargs(strategy, group, device)
+    if kwargs is None:
         return torch.arange(seqlen)
-    pieces = _C.parallel_shard(seqlen, **_group_kwargs(strategy, group, device))
+    pieces = _C.parallel_shard(seqlen, **kwargs)
     parts = [torch.arange(count) * stride + start for start, count, stride in pieces]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -197,11 +201,12 @@ def parallel_forward(
     pg = ParallelGroup._registry[group]
     out, lse = _empty_outputs(q, packed=cu_seqlens is not None)
     options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
-    if _single_rank(strategy, pg, q.device):
+    kwargs = _group_kwargs(strategy, pg, q.device)
+    if kwargs is None:
         _C.attention_forward(_detach(q), _detach(k), _detach(v), out, lse, **options)
     else:
         _C.parallel_forward(_detach(q), _detach(k), _detach(v), out, lse, kv_heads_per_gather=kv_heads_per_gather,
-                            **_group_kwargs(strategy, pg, q.device), **options)
+                            **kwargs, **options)
     return out, lse
 
 
@@ -235,11 +240,11 @@ def parallel_backward(
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
     tensors = (_detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv)
-    if _single_rank(strategy, pg, q.device):
+    kwargs = _group_kwargs(strategy, pg, q.device)
+    if kwargs is None:
         _C.attention_backward(*tensors, **options)
     else:
-        _C.parallel_backward(*tensors, kv_heads_per_gather=kv_heads_per_gather,
-                             **_group_kwargs(strategy, pg, q.device), **options)
+        _C.parallel_backward(*tensors, kv_heads_per_gather=kv_heads_per_gather, **kwargs, **options)
     return dq, dk, dv
 
 
@@ -269,8 +274,7 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
     (Hq, T_local). Gradients flow to q, k and v."""
     if strategy not in STRATEGIES:
         raise _C.InvalidArgument(f"[{op}] strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if dropout_p != 0.0:
-        raise _C.NotSupported(f"[{op}] dropout_p must be 0 (dropout is not supported), got {dropout_p}")
+    _check_dropout(op, dropout_p)
     handle = group.handle if isinstance(group, ParallelGroup) else _handle(group)
     left, right = _window(op, window_size)
     for name, t in (("k", k), ("v", v)):

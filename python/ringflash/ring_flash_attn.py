@@ -68,9 +68,9 @@ from torch import Tensor
 
 from . import _C
 from .distributed import communicator
-from .interface import _check_int, _results, _window
+from .interface import _check_int, _results, _unpack, _window
 from .ops import _detach, _lse_shape, _register_autograd
-from .parallel import ParallelGroup, _handle, parallel_attention
+from .parallel import ParallelGroup, _check_dropout, _handle, parallel_attention
 
 __all__ = [
     "llama3_flash_attn_prepare_cu_seqlens",
@@ -103,19 +103,6 @@ __all__ = [
 
 # ---- shared by every function ----------------------------------------------------------------
 
-def _unpack(op: str, name: str, packed, dim: int, count: int) -> Tuple[Tensor, ...]:
-    """Views of `packed` along `dim` (qkv: 3, kv: 2); gradients flow back into `packed`."""
-    if not isinstance(packed, Tensor) or packed.dim() <= dim or packed.shape[dim] != count:
-        got = tuple(packed.shape) if isinstance(packed, Tensor) else type(packed).__name__
-        raise _C.InvalidArgument(f"[{op}] {name} must have size {count} in dimension {dim}, got {got}")
-    return packed.unbind(dim)
-
-
-def _check_dropout(op: str, dropout_p) -> None:
-    if dropout_p != 0.0:
-        raise _C.NotSupported(f"[{op}] dropout_p must be 0 (ringflash has no dropout), got {dropout_p}")
-
-
 def _as_parallel_group(group) -> ParallelGroup:
     # _handle registers the group eagerly, also while torch.compile traces the caller.
     return group if isinstance(group, ParallelGroup) else ParallelGroup._registry[_handle(group)]
@@ -133,10 +120,9 @@ def _group_size(pg: ParallelGroup, device) -> int:
 
 def _padded(op, strategy, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
             return_attn_probs, group, softcap):
-    _check_dropout(op, dropout_p)
     out, lse = parallel_attention(q, k, v, strategy, group, causal=causal, softmax_scale=softmax_scale,
                                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                  return_lse=True, op=op)
+                                  dropout_p=dropout_p, return_lse=True, op=op)
     return _results(out, lse, return_attn_probs)
 
 
