@@ -30,7 +30,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _window
-from .ops import _detach, _empty_outputs, _lse_shape, _register_autograd
+from .ops import _detach, _empty_outputs, _lse_shape, _register_autograd, _stream
 
 __all__ = [
     "ParallelGroup",
@@ -178,7 +178,7 @@ def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, windo
     return dict(softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
                 softcap=softcap, alibi_slopes=_detach(alibi_slopes), cu_seqlens_q=cu_seqlens,
                 cu_seqlens_k=cu_seqlens, num_threads=torch.get_num_threads() if q.device.type == "cpu" else 0,
-                stream=torch.cuda.current_stream(q.device).cuda_stream if q.device.type == "cuda" else 0)
+                stream=_stream(q))
 
 
 @torch.library.custom_op("ringflash::parallel_forward", mutates_args=())

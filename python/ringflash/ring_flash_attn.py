@@ -69,7 +69,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _check_int, _results, _unpack, _window
-from .ops import _detach, _lse_shape, _register_autograd
+from .ops import _detach, _lse_shape, _register_autograd, _stream
 from .parallel import ParallelGroup, _check_dropout, _handle, parallel_attention
 
 __all__ = [
@@ -566,7 +566,7 @@ def _kernel_options(softmax_scale, causal, window_left, window_right, softcap, d
 
 def _run_options(q: Tensor) -> dict:
     if q.device.type == "cuda":
-        return dict(stream=torch.cuda.current_stream(q.device).cuda_stream)
+        return dict(stream=_stream(q))
     return dict(num_threads=torch.get_num_threads())
 
 
