@@ -45,11 +45,12 @@ struct AttentionParams {
   // Global positions (see above). Per-sequence arrays, when given, replace the scalars.
   int64_t q_offset = kBottomRight;
   int64_t k_offset = 0;
-  std::optional<TensorView> q_seq_offsets;  // int32 (B), on the host
-  std::optional<TensorView> k_seq_offsets;  // int32 (B), on the host
+  std::optional<TensorView> q_seq_offsets;  // int32 (B), on the device of q
+  std::optional<TensorView> k_seq_offsets;  // int32 (B), on the device of q
 
-  // Packed batches: both or neither. int32 (B + 1), increasing, ending at T. On the host for
-  // CPU tensors.
+  // Packed batches: both or neither. int32 (B + 1), increasing, ending at T, on the device of q.
+  // On CUDA they are not checked on the host (that would synchronise): invalid values there are
+  // undefined behaviour, as in flash-attn.
   std::optional<TensorView> cu_seqlens_q;
   std::optional<TensorView> cu_seqlens_k;
 

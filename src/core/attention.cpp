@@ -165,7 +165,7 @@ class Validator {
     args_.rows_k = k_.size(packed ? 0 : 1);
   }
 
-  // A host int32 vector argument, checked for dtype, rank, length and device.
+  // An int32 vector argument, checked for dtype, rank, length and device.
   const int32_t* host_int32(const TensorView& t, const char* name, int64_t length) const {
     RINGFLASH_CHECK(t.dtype() == DType::kInt32, InvalidArgument, "[", op_, "] ", name,
                     " must have dtype int32, got ", dtype_name(t.dtype()));
@@ -173,8 +173,9 @@ class Validator {
                     " must have shape (", length, ",), got ", t.shape_string());
     RINGFLASH_CHECK(t.stride(0) == 1 || length <= 1, InvalidArgument, "[", op_, "] ", name,
                     " must be contiguous, got stride ", t.stride(0));
-    RINGFLASH_CHECK(t.device().type == DeviceType::kCPU || q_.device().type == DeviceType::kCUDA,
-                    InvalidArgument, "[", op_, "] ", name, " must be on cpu, got ", device_name(t.device()));
+    // Read where the kernel runs: on the host for CPU tensors, on q's device for CUDA ones.
+    RINGFLASH_CHECK(t.device() == q_.device(), InvalidArgument, "[", op_, "] ", name, " must be on ",
+                    device_name(q_.device()), " like q, got ", device_name(t.device()));
     return t.data_as<const int32_t>();
   }
 
@@ -258,6 +259,7 @@ class Validator {
     args_.k = operand(k_);
     args_.v = operand(v_);
     args_.accumulate = p_.accumulate;
+    args_.deterministic = p_.deterministic;
     args_.out_dtype = args_.grad_dtype = p_.accumulate ? DType::kFloat32 : q_.dtype();
     args_.num_threads = core::resolve_threads(p_.num_threads);
     args_.stream = p_.stream;

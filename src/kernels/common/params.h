@@ -16,6 +16,7 @@ struct AttentionArgs {
   DType out_dtype = DType::kFloat32;   // of out (written by forward, read by backward)
   DType grad_dtype = DType::kFloat32;  // of dq, dk, dv
   bool accumulate = false;             // forward merges into out/lse; backward adds into dq/dk/dv
+  bool deterministic = false;          // backward: bit-identical results run to run
 
   int64_t batch = 0;        // number of sequences
   int64_t seqlen_q = 0;     // padded: every sequence's length; packed: the longest

@@ -15,12 +15,15 @@
 #include "../common/mask.h"
 #include "../../core/thread_pool.h"
 #include "../common/params.h"
+#include "../common/sequence.h"
 #include "gemm.h"
 #include "vec.h"
 
 namespace ringflash::cpu {
 
 using core::AttentionArgs;
+using core::Sequence;
+using core::sequence;
 
 // Queries per tile: one register tile of columns, so S^T = K Q^T is a single column strip.
 inline constexpr int64_t kBlockM = kNR;
@@ -28,34 +31,6 @@ inline constexpr int64_t kColumnVecs = kBlockM / kVecWidth;
 static_assert(kBlockM % kVecWidth == 0, "query tile must be whole vectors");
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// Where sequence b lives and which global positions it covers.
-struct Sequence {
-  int64_t len_q = 0, len_k = 0;
-  int64_t row_q = 0, row_k = 0;  // first row in the tensor (packed batches), else 0
-  int64_t pos_q = 0, pos_k = 0;  // global position of row 0
-};
-
-inline Sequence sequence(const AttentionArgs& a, int64_t b) {
-  Sequence s;
-  if (a.cu_seqlens_q) {
-    s.row_q = a.cu_seqlens_q[b];
-    s.row_k = a.cu_seqlens_k[b];
-    s.len_q = a.cu_seqlens_q[b + 1] - s.row_q;
-    s.len_k = a.cu_seqlens_k[b + 1] - s.row_k;
-  } else {
-    s.len_q = a.seqlen_q;
-    s.len_k = a.seqlen_k;
-  }
-  s.pos_k = a.k_seq_offsets ? a.k_seq_offsets[b] : a.k_offset;
-  if (a.q_seq_offsets)
-    s.pos_q = a.q_seq_offsets[b];
-  else if (a.q_bottom_right)
-    s.pos_q = s.pos_k + s.len_k - s.len_q;
-  else
-    s.pos_q = a.q_offset;
-  return s;
-}
 
 // Element (b, row, h, 0) of an operand; `row` counts from the start of the packed tensor.
 template <typename T>

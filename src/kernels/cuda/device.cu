@@ -1,11 +1,149 @@
-// CUDA backend entry points. The attention kernels themselves are not written yet: calls on CUDA
-// tensors report NotSupported with that reason.
+// CUDA backend entry points: the choice of kernel (one function behind dispatch and
+// unsupported_reason), the derived constants, the workspace and the device guard.
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
 #include "../../core/backends.h"
+#include "check.h"
+#include "instances.h"
+#include "params.h"
 #include "ringflash/errors.h"
 
 namespace ringflash::cuda {
+namespace {
+
+using core::AttentionArgs;
+using ringflash::DType;
+using core::str_cat;
+
+#ifdef RINGFLASH_DISABLE_BACKWARD
+#define RINGFLASH_BACKWARD_OR_NULL(...) nullptr
+#else
+#define RINGFLASH_BACKWARD_OR_NULL(...) __VA_ARGS__
+#endif
+
+using ForwardFn = void (*)(const Params&, cudaStream_t);
+using BackwardFn = void (*)(const Params&, int64_t, cudaStream_t);
+
+struct Kernels {
+  ForwardFn forward = nullptr;
+  BackwardFn backward = nullptr;
+};
+
+template <typename T>
+Kernels kernels_for(int64_t head_dim) {
+  switch (head_dim) {
+#ifndef RINGFLASH_DISABLE_HDIM64
+    case 64:
+      return {run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(run_backward<T, 64>)};
+#endif
+#ifndef RINGFLASH_DISABLE_HDIM128
+    case 128:
+      return {run_forward<T, 128>, RINGFLASH_BACKWARD_OR_NULL(run_backward<T, 128>)};
+#endif
+#ifndef RINGFLASH_DISABLE_HDIM256
+    case 256:
+      return {run_forward<T, 256>, RINGFLASH_BACKWARD_OR_NULL(run_backward<T, 256>)};
+#endif
+    default:
+      return {};
+  }
+}
+
+std::string built_head_dims() {
+  std::string dims;
+  for (int d : {64, 128, 256})
+    if (kernels_for<__nv_bfloat16>(d).forward) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  return dims.empty() ? "none" : dims;
+}
+
+constexpr int64_t kMaxGridYZ = 65535;
+constexpr int kVectorBytes = 16;
+
+bool aligned(const AttentionArgs::Operand& o, int element_bytes) {
+  const auto ok = [&](int64_t stride) { return stride * element_bytes % kVectorBytes == 0; };
+  return reinterpret_cast<uintptr_t>(o.data) % kVectorBytes == 0 && ok(o.batch_stride) && ok(o.row_stride) &&
+         ok(o.head_stride);
+}
+
+int bytes_of(DType t) { return t == DType::kFloat32 ? 4 : 2; }
+
+int device_of(const void* p) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error this leaves
+    return -1;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device : -1;
+}
+
+// Why the kernels cannot run this case ("" when they can), and which kernels run it otherwise.
+std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen) {
+  if (!is_available()) return "no CUDA device is present";
+  if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16)
+    return "the CUDA kernels take float16 or bfloat16 inputs";
+  const Kernels k = a.dtype == DType::kFloat16 ? kernels_for<__half>(a.head_dim) : kernels_for<__nv_bfloat16>(a.head_dim);
+  if (!k.forward)
+    return str_cat("head_dim ", a.head_dim, " has no CUDA kernel in this build (built: ", built_head_dims(), ")");
+  if (backward && !k.backward) return "this build has no CUDA backward kernels (RINGFLASH_DISABLE_BACKWARD)";
+  const int device = device_of(a.q.data);
+  if (a.q.data && device >= 0) {
+    int major = 0;
+    RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major < 8) return str_cat("the CUDA kernels need compute capability 8.0 or newer, device ", device, " has ", major, ".x");
+  }
+  if (a.heads_q > kMaxGridYZ || a.batch > kMaxGridYZ)
+    return str_cat("the CUDA kernels take at most ", kMaxGridYZ, " heads and sequences, got ", a.heads_q, " heads and ",
+                   a.batch, " sequences");
+  const int in_bytes = bytes_of(a.dtype);
+  for (auto [o, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}})
+    if (o->data && !aligned(*o, in_bytes))
+      return str_cat(name, " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
+  *chosen = k;
+  return "";
+}
+
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(const void* p) {
+    const int device = device_of(p);
+    if (device < 0) return;
+    RINGFLASH_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous == device) previous = -1;
+    else RINGFLASH_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+};
+
+Params make_params(const AttentionArgs& a) {
+  Params p;
+  p.a = a;
+  p.group = static_cast<int>(a.heads_q / a.heads_kv);
+  const bool packed = a.cu_seqlens_q != nullptr;
+  p.max_rows_q = packed ? a.rows_q : a.seqlen_q;
+  p.max_rows_k = packed ? a.rows_k : a.seqlen_k;
+  const bool softcap = a.softcap > 0.0f;
+  p.qk_scale = softcap ? a.scale / a.softcap : a.scale * kLog2e;
+  p.softcap_log2 = softcap ? a.softcap * kLog2e : 0.0f;
+  p.softmax_scale = a.scale;
+  p.deterministic = a.deterministic;
+  return p;
+}
+
+void check_aligned(const char* op, std::initializer_list<std::pair<const AttentionArgs::Operand*, const char*>> list,
+                   DType dtype) {
+  for (auto [o, name] : list)
+    RINGFLASH_CHECK(!o->data || aligned(*o, bytes_of(dtype)), NotSupported, "[", op, "] ", name,
+                    " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
+}
+
+}  // namespace
 
 bool is_available() {
   int count = 0;
@@ -16,19 +154,69 @@ std::string describe() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   return "compiled in (CUDA " + std::to_string(CUDART_VERSION / 1000) + "." +
-         std::to_string(CUDART_VERSION % 1000 / 10) + "), " + std::to_string(count) + " device(s)";
+         std::to_string(CUDART_VERSION % 1000 / 10) + "; head dims " + built_head_dims() + "), " +
+         std::to_string(count) + " device(s)";
 }
 
-std::string unsupported_reason(const core::AttentionArgs&) {
-  if (!is_available()) return "no CUDA device is present";
-  return "the CUDA attention kernels are not implemented yet";
+std::string unsupported_reason(const AttentionArgs& args) {
+  Kernels k;
+  return choose(args, false, &k);
 }
 
-void attention_forward(const core::AttentionArgs&) {
-  throw NotSupported("[attention_forward] the CUDA attention kernels are not implemented yet");
+void attention_forward(const AttentionArgs& args) {
+  Kernels k;
+  const std::string reason = choose(args, false, &k);
+  RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_forward] ", reason);
+  check_aligned("attention_forward", {{&args.out, "out"}}, args.out_dtype);
+  DeviceGuard guard(args.q.data);
+  const Params p = make_params(args);
+  k.forward(p, static_cast<cudaStream_t>(args.stream));
 }
-void attention_backward(const core::AttentionArgs&) {
-  throw NotSupported("[attention_backward] the CUDA attention kernels are not implemented yet");
+
+void attention_backward(const AttentionArgs& args) {
+  Kernels k;
+  const std::string reason = choose(args, true, &k);
+  RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_backward] ", reason);
+  check_aligned("attention_backward", {{&args.out, "out"}}, args.out_dtype);
+  check_aligned("attention_backward", {{&args.dout, "dout"}}, args.dtype);
+  check_aligned("attention_backward", {{&args.dq, "dq"}, {&args.dk, "dk"}, {&args.dv, "dv"}}, args.grad_dtype);
+  DeviceGuard guard(args.q.data);
+  const auto stream = static_cast<cudaStream_t>(args.stream);
+  Params p = make_params(args);
+
+  // Workspace: dsum (rows x heads) and, unless dq itself is fp32 or dQ is computed per query
+  // tile, the fp32 dq accumulator (rows x heads x head_dim). Stream-ordered, so graph capture works.
+  const bool packed = args.cu_seqlens_q != nullptr;
+  const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
+  const int64_t dsum_elements = total_rows * args.heads_q;
+  p.dq_in_place = args.accumulate && !args.deterministic;
+  const bool dq_buffer = !args.accumulate && !args.deterministic;
+  const int64_t dq_elements = dq_buffer ? dsum_elements * args.head_dim : 0;
+  void* workspace = nullptr;
+  RINGFLASH_CUDA_CHECK(cudaMallocAsync(&workspace, (dsum_elements + dq_elements) * sizeof(float), stream));
+  p.dsum = static_cast<float*>(workspace);
+  p.dsum_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
+  p.dsum_head_stride = args.rows_q;
+  if (dq_buffer) {
+    p.dq_accum = p.dsum + dsum_elements;
+    p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;
+    p.dq_accum_row_stride = args.heads_q * args.head_dim;
+    p.dq_accum_head_stride = args.head_dim;
+  } else if (p.dq_in_place) {
+    p.dq_accum = static_cast<float*>(args.dq.data);
+    p.dq_accum_batch_stride = args.dq.batch_stride;
+    p.dq_accum_row_stride = args.dq.row_stride;
+    p.dq_accum_head_stride = args.dq.head_stride;
+  }
+  try {
+    if (dq_buffer)
+      RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
+    k.backward(p, total_rows, stream);
+  } catch (...) {
+    cudaFreeAsync(workspace, stream);
+    throw;
+  }
+  RINGFLASH_CUDA_CHECK(cudaFreeAsync(workspace, stream));
 }
 
 }  // namespace ringflash::cuda

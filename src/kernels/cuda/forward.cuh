@@ -1,0 +1,287 @@
+// The forward kernel: one thread block per (query tile, head, sequence), online softmax over the
+// key tiles that the mask leaves, fp32 log-sum-exp out, and in accumulate mode an exact merge into
+// the fp32 (out, lse) accumulator in the epilogue.
+//
+// Each warp owns block_m / warps query rows. The scores of a key tile stay in registers: their C
+// fragments become the A fragments of P V. K and V tiles are loaded with cp.async so that the load
+// of V overlaps Q K^T and the load of the next K overlaps P V.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "../common/merge.h"
+#include "../common/sequence.h"
+#include "config.h"
+#include "params.h"
+#include "tile.h"
+
+namespace ringflash::cuda {
+
+// Maximum and sum over the four lanes that share a row of a C fragment.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// The key tiles [*begin, *end) of sequence `s` that queries [q0, q0 + rows) can see; tiles start at
+// the sequence's first key.
+template <int kBlockN>
+__device__ __forceinline__ void key_tiles(const core::Mask& mask, const core::Sequence& s, int64_t q0, int rows,
+                                          int64_t* begin, int64_t* end) {
+  int64_t first, last;
+  mask.key_span(s.pos_q + q0, s.pos_q + q0 + rows, s.pos_k, s.pos_k + s.len_k, &first, &last);
+  *begin = (first - s.pos_k) / kBlockN;
+  *end = last > first ? (last - s.pos_k + kBlockN - 1) / kBlockN : *begin;
+}
+
+// The mask of one tile as int32 bounds on (column - row): element (row, col) of a tile whose
+// (row 0, col 0) has pk - pq = d0 is visible iff lo <= col - row <= hi and col < valid_n.
+struct TileMask {
+  int lo, hi, valid_n;
+  float d0;  // for ALiBi
+
+  __device__ __forceinline__ TileMask(const core::Mask& mask, int64_t d0, int valid_n)
+      : lo(clamp(-mask.left - d0)), hi(clamp(mask.right - d0)), valid_n(valid_n), d0(static_cast<float>(d0)) {}
+  __device__ __forceinline__ bool visible(int row, int col) const {
+    const int d = col - row;
+    return col < valid_n && d >= lo && d <= hi;
+  }
+  static __device__ __forceinline__ int clamp(int64_t x) {
+    constexpr int64_t kLimit = 1 << 30;  // beyond any tile offset
+    return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
+  }
+};
+
+// Scores of one key tile, for the rows a warp owns: scale, softcap, ALiBi, then the mask where
+// the tile is only partly visible (or runs past the sequence's last key). Element (mt, nt, i) is
+// row row0 + 16 mt + lane / 4 + 8 (i / 2) and column 8 nt + 2 (lane % 4) + i % 2.
+template <int kMT, int kNT>
+__device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const ScoreTransform& f, bool alibi,
+                                                 bool partial, const TileMask& tile, int row0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nt][i] = f(s[mt][nt][i]);
+  if (!alibi && !partial) return;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+        const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
+        if (alibi) s[mt][nt][i] -= f.alibi_log2 * fabsf(tile.d0 + static_cast<float>(col - row));
+        if (partial && !tile.visible(row, col)) s[mt][nt][i] = -INFINITY;
+      }
+}
+
+template <typename T, int kHeadDim>
+struct Forward {
+  static constexpr ForwardTiles kTiles = forward_tiles(kHeadDim);
+  static constexpr int kBlockM = kTiles.block_m, kBlockN = kTiles.block_n;
+  static constexpr int kThreads = kTiles.warps * 32;
+  static constexpr int kMT = kBlockM / kTiles.warps / 16;  // 16-row m-tiles per warp
+  static constexpr int kNT = kBlockN / 8;                  // 8-column n-tiles of a score tile
+  static constexpr int kDT = kHeadDim / 8;                 // 8-column n-tiles of the output
+  static_assert(kBlockM % (16 * kTiles.warps) == 0, "each warp owns whole m-tiles");
+  using QTile = Tile<kBlockM, kHeadDim>;
+  using KTile = Tile<kBlockN, kHeadDim>;
+  static constexpr int kSmemBytes = (QTile::kElements + 2 * KTile::kElements) * 2;
+
+  static __device__ void run(const Params& p) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem);
+    T* sk = sq + QTile::kElements;
+    T* sv = sk + KTile::kElements;
+
+    const core::AttentionArgs& a = p.a;
+    const int64_t b = blockIdx.z;
+    const int h = blockIdx.y;
+    const core::Sequence seq = core::sequence(a, b);
+    const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
+    if (q0 >= seq.len_q) return;
+    const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
+    const int lane = threadIdx.x % 32, warp_row0 = threadIdx.x / 32 * kMT * 16;
+    const auto q_lanes = QTile::a_lanes(smem_address(sq), lane);
+    const auto k_lanes = KTile::b_lanes(smem_address(sk), lane);
+    const auto v_lanes = KTile::b_trans_lanes(smem_address(sv), lane);
+
+    const core::Mask mask = p.mask();
+    int64_t n_begin, n_end;
+    key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
+
+    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + (seq.row_q + q0) * a.q.row_stride +
+                 h * a.q.head_stride;
+    const int64_t hk = h / p.group;
+    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + seq.row_k * a.k.row_stride +
+                 hk * a.k.head_stride;
+    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + seq.row_k * a.v.row_stride +
+                 hk * a.v.head_stride;
+    const auto valid_keys = [&](int64_t n) {
+      const int64_t left = seq.len_k - n * kBlockN;
+      return static_cast<int>(left < kBlockN ? left : kBlockN);
+    };
+
+    if (n_begin < n_end) {
+      QTile::template load<kThreads>(sq, q, a.q.row_stride, rows);
+      KTile::template load<kThreads>(sk, k + n_begin * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n_begin));
+      cp_async_commit();
+    }
+
+    const ScoreTransform f = p.score_transform(b, h);
+    const bool alibi = a.alibi_slopes != nullptr;
+    float o[kMT][kDT][4] = {};
+    float row_max[kMT][2], row_sum[kMT][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY;
+
+    for (int64_t n = n_begin; n < n_end; ++n) {
+      cp_async_wait<0>();
+      __syncthreads();  // K(n) has landed; every warp is done with V(n - 1)
+      const int valid_n = valid_keys(n);
+      KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_n);
+      cp_async_commit();
+
+      float s[kMT][kNT][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        uint32_t qa[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(qa[mt], q_lanes.at(warp_row0 + mt * 16, ks * 16));
+#pragma unroll
+        for (int np = 0; np < kNT / 2; ++np) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k_lanes.at(np * 16, ks * 16));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Mma<T>::run(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+            Mma<T>::run(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+          }
+        }
+      }
+
+      const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
+      const bool partial = valid_n < kBlockN ||
+                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+      transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, valid_n), warp_row0, lane);
+
+      // Online softmax. A row that has seen no key yet keeps max -inf; exponents are then taken
+      // against 0 so that exp2(-inf - -inf) never makes a NaN.
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float mx = row_max[mt][half];
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          mx = quad_max(mx);
+          const float base = mx == -INFINITY ? 0.0f : mx;
+          const float correction = exp2f(row_max[mt][half] - base);
+          row_max[mt][half] = mx;
+          float sum = 0.0f;
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int i = 2 * half; i < 2 * half + 2; ++i) {
+              s[mt][nt][i] = exp2f(s[mt][nt][i] - base);
+              sum += s[mt][nt][i];
+            }
+          row_sum[mt][half] = row_sum[mt][half] * correction + sum;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            o[mt][dt][2 * half] *= correction;
+            o[mt][dt][2 * half + 1] *= correction;
+          }
+        }
+
+      uint32_t pa[kMT][kBlockN / 16][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[mt][ps], s[mt][2 * ps], s[mt][2 * ps + 1]);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V(n) has landed; every warp is done with K(n)
+      if (n + 1 < n_end) {
+        KTile::template load<kThreads>(sk, k + (n + 1) * kBlockN * a.k.row_stride, a.k.row_stride,
+                                       valid_keys(n + 1));
+        cp_async_commit();
+      }
+
+#pragma unroll
+      for (int ps = 0; ps < kBlockN / 16; ++ps) {
+#pragma unroll
+        for (int dp = 0; dp < kDT / 2; ++dp) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, v_lanes.at(ps * 16, dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            Mma<T>::run(o[mt][2 * dp], pa[mt][ps], vb[0], vb[1]);
+            Mma<T>::run(o[mt][2 * dp + 1], pa[mt][ps], vb[2], vb[3]);
+          }
+        }
+      }
+    }
+
+    epilogue(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
+  }
+
+  // Normalises the output rows and writes them with their lse, or merges them into the fp32
+  // accumulator. Rows past the sequence's end are dropped.
+  static __device__ __forceinline__ void epilogue(const Params& p, int64_t b, int h, const core::Sequence& seq,
+                                                  int64_t q0, int rows, float (&o)[kMT][kDT][4],
+                                                  const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
+                                                  int lane, int warp_row0) {
+    const core::AttentionArgs& a = p.a;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float sum = quad_sum(row_sum[mt][half]);
+        const float lse = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
+        if (r >= rows) continue;
+        const int64_t row = seq.row_q + q0 + r;
+        float* lse_ptr = a.lse + p.lse_index(b, h, row);
+        const int64_t at = b * a.out.batch_stride + row * a.out.row_stride + h * a.out.head_stride;
+        if (!a.accumulate) {
+          T* out = static_cast<T*>(a.out.data) + at;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt)
+            *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
+                Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
+          if (lane % 4 == 0) *lse_ptr = lse;
+        } else {
+          float* out = static_cast<float*>(a.out.data) + at;
+          const core::MergeWeights w = core::merge_weights(*lse_ptr, lse);
+          const float w_blk = w.w_blk * inv;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            float2* at2 = reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2);
+            const float2 old = *at2;
+            *at2 = make_float2(w.w_acc * old.x + w_blk * o[mt][dt][2 * half],
+                               w.w_acc * old.y + w_blk * o[mt][dt][2 * half + 1]);
+          }
+          __syncwarp(0xfu << (lane & ~3));  // the quad has read the old lse before it is replaced
+          if (lane % 4 == 0) *lse_ptr = w.lse;
+        }
+      }
+  }
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(Forward<T, kHeadDim>::kThreads, 1) forward_kernel(const Params p) {
+  Forward<T, kHeadDim>::run(p);
+}
+
+}  // namespace ringflash::cuda

@@ -1,0 +1,73 @@
+// What a CUDA attention kernel receives, by value: the validated AttentionArgs plus the constants
+// the host derives from them once.
+#pragma once
+
+#include <cstdint>
+
+#include "../common/mask.h"
+#include "../common/params.h"
+
+namespace ringflash::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The score of one element in log2 units and, for the backward, its derivative. `d` is pk - pq.
+struct ScoreTransform {
+  float qk_scale, softcap_log2, alibi_log2, softmax_scale;
+
+  __device__ __forceinline__ float operator()(float qk) const {
+    return softcap_log2 != 0.0f ? softcap_log2 * tanhf(qk * qk_scale) : qk * qk_scale;
+  }
+  __device__ __forceinline__ float alibi(float s2, int64_t d) const {
+    return s2 - alibi_log2 * static_cast<float>(d < 0 ? -d : d);
+  }
+  // p = exp2(s2 - lse2) and dS = p (dp - dsum) d(score)/d(qk) for one visible element.
+  __device__ __forceinline__ void gradient(float qk, float dp, float lse2, float dsum, bool alibi, int64_t d,
+                                           float* p, float* ds) const {
+    float s2, slope = softmax_scale;
+    if (softcap_log2 != 0.0f) {
+      const float th = tanhf(qk * qk_scale);
+      s2 = softcap_log2 * th;
+      slope *= 1.0f - th * th;
+    } else {
+      s2 = qk * qk_scale;
+    }
+    if (alibi) s2 = this->alibi(s2, d);
+    *p = exp2f(s2 - lse2);
+    *ds = *p * (dp - dsum) * slope;
+  }
+};
+
+struct Params {
+  core::AttentionArgs a;
+  int group = 1;           // q heads per k/v head
+  int64_t max_rows_q = 0;  // upper bounds of a sequence's length (grid sizes)
+  int64_t max_rows_k = 0;
+
+  // Scores in log2 units: s2 = qk * qk_scale, or softcap_log2 * tanh(qk * qk_scale) with softcap.
+  float qk_scale = 0.0f;
+  float softcap_log2 = 0.0f;  // softcap * log2(e); 0 when off
+  // d(score)/d(qk) without the softcap factor: the softmax scale.
+  float softmax_scale = 0.0f;
+
+  // Backward. dq is accumulated in fp32 with atomics into dq_accum (which is dq itself when dq is
+  // fp32), laid out with the strides below; dsum(b, h, i) = rowsum(dout * out) is laid out like lse.
+  float* dq_accum = nullptr;
+  int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
+  float* dsum = nullptr;
+  int64_t dsum_batch_stride = 0, dsum_head_stride = 0;
+  bool dq_in_place = false;  // dq_accum is dq: no conversion pass
+  bool deterministic = false;
+
+  __host__ __device__ core::Mask mask() const { return {a.window_left, a.window_right}; }
+  __device__ ScoreTransform score_transform(int64_t b, int64_t h) const {
+    const float slope = a.alibi_slopes ? a.alibi_slopes[b * a.alibi_batch_stride + h] * kLog2e : 0.0f;
+    return {qk_scale, softcap_log2, slope, softmax_scale};
+  }
+  __host__ __device__ int64_t lse_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
+    return b * a.lse_batch_stride + h * a.lse_head_stride + row_in_tensor;
+  }
+};
+
+}  // namespace ringflash::cuda

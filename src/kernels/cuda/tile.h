@@ -1,0 +1,87 @@
+// Shared-memory tiles and the fragment loads that read them.
+//
+// A tile is kRows x kCols 16-bit elements, row-major, with the 16-byte chunks of each row permuted
+// by (chunk ^ (row % 8)). The eight row addresses of an ldmatrix then fall in eight different
+// 16-byte bank groups, so neither the row-wise nor the transposed reads conflict, and cp.async
+// writes whole 16-byte chunks.
+#pragma once
+
+#include <cstdint>
+
+#include "ptx.h"
+
+namespace ringflash::cuda {
+
+constexpr int kChunk = 8;  // 16-bit elements per 16-byte chunk
+
+template <int kRows, int kCols>
+struct Tile {
+  static_assert(kCols % (8 * kChunk) == 0, "a tile row must be whole 128-byte lines");
+  static constexpr int kElements = kRows * kCols;
+  static constexpr int kChunksPerRow = kCols / kChunk;
+
+  // Element offset of (row, col); col % 8 is kept, the chunk is permuted.
+  static __device__ __forceinline__ int offset(int row, int col) {
+    return row * kCols + ((((col / kChunk) ^ (row % 8)) * kChunk) | (col % kChunk));
+  }
+
+  // Copies rows [0, valid_rows) of a global tile (row stride in elements) with cp.async and
+  // zero-fills the rest. The caller commits the group.
+  template <int kThreads, typename T>
+  static __device__ __forceinline__ void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows) {
+    static_assert(kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0,
+                  "every thread copies the same chunk column of evenly spaced rows");
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
+    const int col = static_cast<int>(threadIdx.x) % kChunksPerRow * kChunk;
+    const T* src = gmem + row0 * row_stride + col;
+    const uint32_t dst = smem_address(smem + offset(row0, col));
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const int row = row0 + i * kRowStep;
+      const bool valid = row < valid_rows;
+      // With a row step of a multiple of 8 the chunk permutation repeats, so the destination
+      // moves by whole rows.
+      const uint32_t to = kRowStep % 8 == 0 ? dst + 2 * i * kRowStep * kCols : smem_address(smem + offset(row, col));
+      cp_async_16(to, valid ? src + i * kRowStep * row_stride : gmem, valid);
+    }
+  }
+
+  // Each lane's ldmatrix row address for the four fragment shapes, at (0, 0); at(row0, col0)
+  // moves it. Stored [m][k] for A: a_lanes, at(m0, k0). Stored [k][m] for A: a_trans_lanes,
+  // at(k0, m0). Stored [n][k] for B (two n-tiles, {b[n0][0], b[n0][1], b[n0 + 8][0],
+  // b[n0 + 8][1]}): b_lanes, at(n0, k0). Stored [k][n] for B: b_trans_lanes, at(k0, n0).
+  struct Lanes {
+    uint32_t base;
+    // Rows move the address by whole rows; a column offset that is a multiple of 16 flips the
+    // chunk bits that the permutation also flips, so it is an XOR (the tile must start on a
+    // multiple of 2 * kCols bytes). Both are one instruction, which the compiler can redo at each
+    // use instead of keeping every address in a register.
+    __device__ __forceinline__ uint32_t at(int row0, int col0) const {
+      return (base + row0 * (2 * kCols)) ^ (2 * col0);
+    }
+  };
+  static __device__ __forceinline__ Lanes a_lanes(uint32_t tile, int lane) {
+    return {tile + 2 * offset(lane & 15, (lane >> 4) * 8)};
+  }
+  static __device__ __forceinline__ Lanes a_trans_lanes(uint32_t tile, int lane) {
+    return {tile + 2 * offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8)};
+  }
+  static __device__ __forceinline__ Lanes b_lanes(uint32_t tile, int lane) {
+    return {tile + 2 * offset((lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) * 8)};
+  }
+  static __device__ __forceinline__ Lanes b_trans_lanes(uint32_t tile, int lane) {
+    return {tile + 2 * offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8)};
+  }
+};
+
+// C fragments of two adjacent n-tiles as the A fragment of the next product, rounded to T.
+template <typename T>
+__device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = Mma<T>::pack(c0[0], c0[1]);
+  a[1] = Mma<T>::pack(c0[2], c0[3]);
+  a[2] = Mma<T>::pack(c1[0], c1[1]);
+  a[3] = Mma<T>::pack(c1[2], c1[3]);
+}
+
+}  // namespace ringflash::cuda
