@@ -40,7 +40,7 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
                     h * a.out.head_stride;
   float sum = 0.0f;
 #pragma unroll 8
-  for (int d = 0; d < kHeadDim; ++d) sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]);
+  for (int d = 0; d < a.head_dim; ++d) sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]);
   p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] = sum;
 }
 
@@ -48,9 +48,10 @@ template <typename T, int kHeadDim>
 __global__ void convert_dq_kernel(const Params p, int64_t total_rows) {
   const core::AttentionArgs& a = p.a;
   constexpr int kVec = 8;
+  const int64_t vecs = a.head_dim / kVec;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= total_rows * a.heads_q * (kHeadDim / kVec)) return;
-  const int64_t d = i % (kHeadDim / kVec) * kVec, rh = i / (kHeadDim / kVec);
+  if (i >= total_rows * a.heads_q * vecs) return;
+  const int64_t d = i % vecs * kVec, rh = i / vecs;
   const int64_t r = rh / a.heads_q, h = rh % a.heads_q;
   const int64_t b = r / a.rows_q, row = r % a.rows_q;
   const float* src = p.dq_accum + b * p.dq_accum_batch_stride + row * p.dq_accum_row_stride +
@@ -86,7 +87,9 @@ struct Backward {
   using KTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
   using STile = Tile<kBlockN, kBlockM>;  // dS^T, [key][query]
-  static constexpr int kSmemBytes = (2 * KTile::kElements + 2 * kStages * QTile::kElements + STile::kElements) * 2;
+  // Tiles, then per stage the lse (log2 units) and dsum of the tile's query rows.
+  static constexpr int kSmemBytes =
+      (2 * KTile::kElements + 2 * kStages * QTile::kElements + STile::kElements) * 2 + 2 * kStages * kBlockM * 4;
 
   static __device__ void run(const Params& p) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -95,6 +98,7 @@ struct Backward {
     T* sq = sv + KTile::kElements;               // kStages tiles
     T* sdo = sq + kStages * QTile::kElements;    // kStages tiles
     T* sds = sdo + kStages * QTile::kElements;
+    float* srow = reinterpret_cast<float*>(sds + STile::kElements);  // [stage][lse2 | dsum][kBlockM]
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, key_row0 = warp * 16;
     const auto k_lanes = KTile::a_lanes(smem_address(sk), lane);
@@ -132,14 +136,22 @@ struct Backward {
                    h * a.q.head_stride;
       const T* dout = static_cast<const T*>(a.dout.data) + b * a.dout.batch_stride +
                       (seq.row_q + q0) * a.dout.row_stride + h * a.dout.head_stride;
-      QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows);
-      QTile::template load<kThreads>(sdo + stage * QTile::kElements, dout, a.dout.row_stride, rows);
+      QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows, a.head_dim);
+      QTile::template load<kThreads>(sdo + stage * QTile::kElements, dout, a.dout.row_stride, rows, a.head_dim);
+      // Rows past the sequence get lse2 = +inf and dsum = 0, so their P and dS are 0.
+      for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+        const int64_t row = seq.row_q + q0 + r;
+        const bool valid = r < rows;
+        srow[stage * 2 * kBlockM + r] = valid ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
+        srow[stage * 2 * kBlockM + kBlockM + r] =
+            valid ? p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] : 0.0f;
+      }
     };
 
     float dk[kDT][4] = {}, dv[kDT][4] = {};
     if (items > 0) {
-      KTile::template load<kThreads>(sk, k, a.k.row_stride, valid_n);
-      KTile::template load<kThreads>(sv, v, a.v.row_stride, valid_n);
+      KTile::template load<kThreads>(sk, k, a.k.row_stride, valid_n, a.head_dim);
+      KTile::template load<kThreads>(sv, v, a.v.row_stride, valid_n, a.head_dim);
       load_item(0, 0);
       cp_async_commit();
     }
@@ -161,18 +173,8 @@ struct Backward {
       const int64_t q0 = item_q0(item);
       const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
 
-      // The lse and dsum of this thread's query columns 8 qt + 2 (lane % 4) + j.
-      float lse2[kQT][2], dsum[kQT][2];
-#pragma unroll
-      for (int qt = 0; qt < kQT; ++qt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int col = qt * 8 + (lane % 4) * 2 + j;
-          const int64_t row = seq.row_q + q0 + col;
-          const bool valid = col < rows;
-          lse2[qt][j] = valid ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
-          dsum[qt][j] = valid ? p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] : 0.0f;
-        }
+      const float* lse2 = srow + stage * 2 * kBlockM;
+      const float* dsum = lse2 + kBlockM;
 
       // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
       float st[kQT][4] = {}, dpt[kQT][4] = {};
@@ -208,7 +210,7 @@ struct Backward {
           const int64_t d = d0 + key - col;
           const bool visible = !partial || (key < valid_n && col < rows && d >= -mask.left && d <= mask.right);
           float pv, ds;
-          f.gradient(st[qt][i], dpt[qt][i], lse2[qt][i % 2], dsum[qt][i % 2], alibi, d, &pv, &ds);
+          f.gradient(st[qt][i], dpt[qt][i], lse2[col], dsum[col], alibi, d, &pv, &ds);
           st[qt][i] = visible ? pv : 0.0f;
           dpt[qt][i] = visible ? ds : 0.0f;
         }
@@ -279,6 +281,7 @@ struct Backward {
                    h * p.dq_accum_head_stride + col0 + (lane % 4) * 2;
 #pragma unroll
       for (int dt = 0; dt < kDqDim / 8; ++dt) {
+        if (col0 + dt * 8 >= p.a.head_dim) break;
         atomicAdd(dst + dt * 8, dq[dt][2 * half]);
         atomicAdd(dst + dt * 8 + 1, dq[dt][2 * half + 1]);
       }
@@ -300,6 +303,7 @@ struct Backward {
       const int64_t at_v = b * a.dv.batch_stride + row * a.dv.row_stride + hk * a.dv.head_stride + part0;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
+        if (part0 + dt * 8 >= a.head_dim) break;
         const int col = dt * 8 + (lane % 4) * 2;
         if (!a.accumulate) {
           *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dk.data) + at_k + col) =
@@ -371,12 +375,12 @@ struct DqPass {
       return static_cast<int>(left < kBlockN ? left : kBlockN);
     };
     const auto load_keys = [&](int64_t n) {
-      KTile::template load<kThreads>(sk, k + n * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n));
-      KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_keys(n));
+      KTile::template load<kThreads>(sk, k + n * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n), a.head_dim);
+      KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_keys(n), a.head_dim);
     };
     if (n_begin < n_end) {
-      QTile::template load<kThreads>(sq, q, a.q.row_stride, rows);
-      QTile::template load<kThreads>(sdo, dout, a.dout.row_stride, rows);
+      QTile::template load<kThreads>(sq, q, a.q.row_stride, rows, a.head_dim);
+      QTile::template load<kThreads>(sdo, dout, a.dout.row_stride, rows, a.head_dim);
       load_keys(n_begin);
       cp_async_commit();
     }
@@ -455,6 +459,7 @@ struct DqPass {
       const int64_t at = b * a.dq.batch_stride + row * a.dq.row_stride + h * a.dq.head_stride;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
+        if (dt * 8 >= a.head_dim) break;
         const int col = dt * 8 + (lane % 4) * 2;
         if (!a.accumulate) {
           *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dq.data) + at + col) =

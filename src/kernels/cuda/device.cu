@@ -34,9 +34,16 @@ struct Kernels {
   BackwardFn backward = nullptr;
 };
 
+// Kernels are built for head dims 64, 128 and 256; a smaller head dim (a multiple of 8) runs on
+// the next one up, its missing columns zero-filled in shared memory and never written.
+constexpr int kHeadDimStep = 8;
+constexpr int kMaxHeadDim = 256;
+
+int instance_head_dim(int64_t head_dim) { return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256; }
+
 template <typename T>
 Kernels kernels_for(int64_t head_dim) {
-  switch (head_dim) {
+  switch (instance_head_dim(head_dim)) {
 #ifndef RINGFLASH_DISABLE_HDIM64
     case 64:
       return {run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(run_backward<T, 64>)};
@@ -86,9 +93,13 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen) {
   if (!is_available()) return "no CUDA device is present";
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16)
     return "the CUDA kernels take float16 or bfloat16 inputs";
+  if (a.head_dim % kHeadDimStep != 0 || a.head_dim > kMaxHeadDim)
+    return str_cat("the CUDA kernels take head_dim a multiple of ", kHeadDimStep, " up to ", kMaxHeadDim, ", got ",
+                   a.head_dim);
   const Kernels k = a.dtype == DType::kFloat16 ? kernels_for<__half>(a.head_dim) : kernels_for<__nv_bfloat16>(a.head_dim);
   if (!k.forward)
-    return str_cat("head_dim ", a.head_dim, " has no CUDA kernel in this build (built: ", built_head_dims(), ")");
+    return str_cat("head_dim ", a.head_dim, " needs the head-dim ", instance_head_dim(a.head_dim),
+                   " CUDA kernels, which this build leaves out (built: ", built_head_dims(), ")");
   if (backward && !k.backward) return "this build has no CUDA backward kernels (RINGFLASH_DISABLE_BACKWARD)";
   const int device = device_of(a.q.data);
   if (a.q.data && device >= 0) {

@@ -69,18 +69,13 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[mt][nt][i] = f(s[mt][nt][i]);
-  if (!alibi && !partial) return;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
         const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-        if (alibi) s[mt][nt][i] -= f.alibi_log2 * fabsf(tile.d0 + static_cast<float>(col - row));
-        if (partial && !tile.visible(row, col)) s[mt][nt][i] = -INFINITY;
+        float x = f(s[mt][nt][i]);
+        if (alibi) x -= f.alibi_log2 * fabsf(tile.d0 + static_cast<float>(col - row));
+        if (partial && !tile.visible(row, col)) x = -INFINITY;
+        s[mt][nt][i] = x;
       }
 }
 
@@ -107,7 +102,9 @@ struct Forward {
     const int64_t b = blockIdx.z;
     const int h = blockIdx.y;
     const core::Sequence seq = core::sequence(a, b);
-    const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
+    // The last query tiles first: under a causal mask they see the most keys, so the longest
+    // blocks start early and the short ones fill the tail.
+    const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
     if (q0 >= seq.len_q) return;
     const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
     const int lane = threadIdx.x % 32, warp_row0 = threadIdx.x / 32 * kMT * 16;
@@ -132,13 +129,15 @@ struct Forward {
     };
 
     if (n_begin < n_end) {
-      QTile::template load<kThreads>(sq, q, a.q.row_stride, rows);
-      KTile::template load<kThreads>(sk, k + n_begin * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n_begin));
+      QTile::template load<kThreads>(sq, q, a.q.row_stride, rows, a.head_dim);
+      KTile::template load<kThreads>(sk, k + n_begin * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n_begin),
+                                     a.head_dim);
       cp_async_commit();
     }
 
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = a.alibi_slopes != nullptr;
+    const bool plain = p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
     float o[kMT][kDT][4] = {};
     float row_max[kMT][2], row_sum[kMT][2] = {};
 #pragma unroll
@@ -148,7 +147,7 @@ struct Forward {
       cp_async_wait<0>();
       __syncthreads();  // K(n) has landed; every warp is done with V(n - 1)
       const int valid_n = valid_keys(n);
-      KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_n);
+      KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_n, a.head_dim);
       cp_async_commit();
 
       float s[kMT][kNT][4] = {};
@@ -172,7 +171,11 @@ struct Forward {
       const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
       const bool partial = valid_n < kBlockN ||
                            mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
-      transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, valid_n), warp_row0, lane);
+      // Plain scores (no softcap, ALiBi or mask, positive scale) stay raw: the scale goes into the
+      // exponent, exp2(s * scale - max * scale), one fused multiply-add per element.
+      const bool raw = !partial && !alibi && plain;
+      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, valid_n), warp_row0, lane);
+      const float scale = raw ? p.qk_scale : 1.0f;
 
       // Online softmax. A row that has seen no key yet keeps max -inf; exponents are then taken
       // against 0 so that exp2(-inf - -inf) never makes a NaN.
@@ -180,19 +183,19 @@ struct Forward {
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          float mx = row_max[mt][half];
+          float mx = -INFINITY;
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-          mx = quad_max(mx);
+          mx = fmaxf(row_max[mt][half], quad_max(mx) * scale);
           const float base = mx == -INFINITY ? 0.0f : mx;
-          const float correction = exp2f(row_max[mt][half] - base);
+          const float correction = exp2_ftz(row_max[mt][half] - base);
           row_max[mt][half] = mx;
           float sum = 0.0f;
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
             for (int i = 2 * half; i < 2 * half + 2; ++i) {
-              s[mt][nt][i] = exp2f(s[mt][nt][i] - base);
+              s[mt][nt][i] = exp2_ftz(fmaf(s[mt][nt][i], scale, -base));
               sum += s[mt][nt][i];
             }
           row_sum[mt][half] = row_sum[mt][half] * correction + sum;
@@ -213,7 +216,7 @@ struct Forward {
       __syncthreads();  // V(n) has landed; every warp is done with K(n)
       if (n + 1 < n_end) {
         KTile::template load<kThreads>(sk, k + (n + 1) * kBlockN * a.k.row_stride, a.k.row_stride,
-                                       valid_keys(n + 1));
+                                       valid_keys(n + 1), a.head_dim);
         cp_async_commit();
       }
 
@@ -258,7 +261,8 @@ struct Forward {
           T* out = static_cast<T*>(a.out.data) + at;
 #pragma unroll
           for (int dt = 0; dt < kDT; ++dt)
-            *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
+            if (dt * 8 < a.head_dim)
+              *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
                 Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
           if (lane % 4 == 0) *lse_ptr = lse;
         } else {
@@ -267,6 +271,7 @@ struct Forward {
           const float w_blk = w.w_blk * inv;
 #pragma unroll
           for (int dt = 0; dt < kDT; ++dt) {
+            if (dt * 8 >= a.head_dim) break;
             float2* at2 = reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2);
             const float2 old = *at2;
             *at2 = make_float2(w.w_acc * old.x + w_blk * o[mt][dt][2 * half],

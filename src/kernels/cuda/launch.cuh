@@ -16,14 +16,10 @@ inline unsigned blocks_for(int64_t items, int64_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-// Raises a kernel's dynamic shared-memory limit once per process, before its first launch.
+// Raises a kernel's dynamic shared-memory limit; cheap, and allowed during graph capture.
 template <typename Kernel>
 void allow_smem(Kernel kernel, int bytes) {
-  static const bool done = [&] {
-    RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    return true;
-  }();
-  (void)done;
+  RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
 template <typename T, int kHeadDim>
@@ -61,7 +57,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     dq_kernel<T, kHeadDim><<<dq_grid, D::kThreads, D::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   } else if (!p.dq_in_place) {
-    convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (kHeadDim / 8), kThreads), kThreads, 0, stream>>>(
+    convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (p.a.head_dim / 8), kThreads), kThreads, 0, stream>>>(
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }

@@ -6,6 +6,7 @@
 
 #include "../common/mask.h"
 #include "../common/params.h"
+#include "ptx.h"
 
 namespace ringflash::cuda {
 
@@ -34,7 +35,7 @@ struct ScoreTransform {
       s2 = qk * qk_scale;
     }
     if (alibi) s2 = this->alibi(s2, d);
-    *p = exp2f(s2 - lse2);
+    *p = exp2_ftz(s2 - lse2);
     *ds = *p * (dp - dsum) * slope;
   }
 };

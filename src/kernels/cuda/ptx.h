@@ -50,6 +50,14 @@ struct Mma<__half> {
   }
 };
 
+// 2^x on the special-function unit, denormal results flushed to 0 (exp2(-inf) = 0). The
+// softmax never needs denormals: they are below any weight that changes an fp32 sum.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

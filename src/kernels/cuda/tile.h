@@ -25,10 +25,12 @@ struct Tile {
     return row * kCols + ((((col / kChunk) ^ (row % 8)) * kChunk) | (col % kChunk));
   }
 
-  // Copies rows [0, valid_rows) of a global tile (row stride in elements) with cp.async and
-  // zero-fills the rest. The caller commits the group.
+  // Copies rows [0, valid_rows) and columns [0, valid_cols) of a global tile (row stride in
+  // elements; valid_cols a multiple of 8) with cp.async and zero-fills the rest. The caller commits
+  // the group.
   template <int kThreads, typename T>
-  static __device__ __forceinline__ void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows) {
+  static __device__ __forceinline__ void load(T* smem, const T* gmem, int64_t row_stride, int valid_rows,
+                                              int valid_cols) {
     static_assert(kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0,
                   "every thread copies the same chunk column of evenly spaced rows");
     constexpr int kRowStep = kThreads / kChunksPerRow;
@@ -39,7 +41,7 @@ struct Tile {
 #pragma unroll
     for (int i = 0; i < kRows / kRowStep; ++i) {
       const int row = row0 + i * kRowStep;
-      const bool valid = row < valid_rows;
+      const bool valid = row < valid_rows && col < valid_cols;
       // With a row step of a multiple of 8 the chunk permutation repeats, so the destination
       // moves by whole rows.
       const uint32_t to = kRowStep % 8 == 0 ? dst + 2 * i * kRowStep * kCols : smem_address(smem + offset(row, col));
