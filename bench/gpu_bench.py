@@ -1,0 +1,369 @@
+"""ringflash against torch SDPA's flash and cuDNN backends on one GPU, side by side in one run.
+
+    python bench/gpu_bench.py [--hdims 64,128] [--seqlens 1024,4096,16384] [--causal 0,1]
+                              [--repeat 1] [--quick] [--warmup 25] [--rep 100] [--json PATH]
+
+Shapes and measurements are those of the peer baseline (/work/shared/peers/sdpa_bench.py): bf16,
+16k tokens per batch (batch = 16384 // seqlen), hidden 2048 (heads = 2048 // hdim), causal and
+not. Each side gets its natural layout, made before timing: ringflash.flash_attn_func takes
+(B, S, H, D), torch.nn.functional.scaled_dot_product_attention (B, H, S, D). Times are medians of
+triton.testing.do_bench (warm-up 25 ms, 100 ms of repetitions, L2 flushed between calls); the
+forward runs with autograd recording, as in training; backward = (forward+backward) - forward.
+
+FLOPs as the peer counts them: forward 4*B*S^2*H*D, halved when causal; backward 2.5 x forward;
+forward+backward 3.5 x forward. Ratios are ringflash TFLOP/s / backend TFLOP/s: above 1 means
+ringflash is faster.
+
+For each shape the backends are measured in turn, each forward then forward+backward, rotating
+which one goes first over --repeat rounds (the medians over rounds are reported). Once per shape,
+ringflash's out, dq, dk and dv are compared with the flash backend's on the same inputs (cuDNN's
+when flash cannot run); a relative difference (max |a - b| / max |b|) above the limit marks the
+shape MISMATCH and the exit status non-zero, so a fast but wrong kernel does not pass.
+
+--quick runs one shape per head dim: seqlen 4096, causal. JSON goes to --json PATH, or to
+$OUT/gpu_bench.json when OUT is set. The table is printed last.
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import ringflash
+
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+DTYPE = torch.bfloat16
+BWD_FLOPS_FACTOR = 2.5      # backward = 2.5 x forward (FlashAttention's count)
+FWD_BWD_FLOPS_FACTOR = 3.5  # forward + backward
+QUICK_SEQLEN = 4096
+BACKENDS = ["ringflash", "flash", "cudnn"]
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+# Largest relative difference max |ringflash - torch| / max |torch| that still agrees. Both round
+# to bf16 in different places; this catches a wrong result, not a last-bit difference.
+AGREEMENT_RTOL = {"out": 5e-2, "dq": 1e-1, "dk": 1e-1, "dv": 1e-1}
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def int_list(text):
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from e
+
+
+def bool_list(text):
+    values = {"0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}
+    try:
+        return [values[x.lower()] for x in text.split(",") if x]
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(f"--causal takes 0,1 (or true,false), got {text!r}") from e
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hdims", type=int_list, default=[64, 128])
+    p.add_argument("--seqlens", type=int_list, default=[1024, 4096, 16384])
+    p.add_argument("--causal", type=bool_list, default=[False, True])
+    p.add_argument("--repeat", type=int, default=1, help="rounds of measurements per shape (medians reported)")
+    p.add_argument("--quick", action="store_true", help=f"one shape per head dim: seqlen {QUICK_SEQLEN}, causal")
+    p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms (the peer's 25)")
+    p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (the peer's 100)")
+    p.add_argument("--json", metavar="PATH", help="write the results here (default $OUT/gpu_bench.json if OUT is set)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.causal = [QUICK_SEQLEN], [True]
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
+    for hdim in args.hdims:
+        if hdim <= 0 or HIDDEN % hdim:
+            p.error(f"--hdims: each head dim must divide the hidden size {HIDDEN}, got {hdim}")
+    for seqlen in args.seqlens:
+        if seqlen <= 0 or TOTAL_TOKENS % seqlen:
+            p.error(f"--seqlens: each seqlen must divide {TOTAL_TOKENS} tokens per batch, got {seqlen}")
+    if args.json is None and os.environ.get("OUT"):
+        args.json = os.path.join(os.environ["OUT"], "gpu_bench.json")
+    return args
+
+
+def make_timer():
+    """(name, bench(fn, warmup_ms, rep_ms, grad_to_none) -> median ms): triton.testing.do_bench, as
+    the peer uses, or the same procedure on CUDA events where triton is missing."""
+    try:
+        import triton.testing
+    except ImportError:
+        return "cuda-events (triton not importable)", do_bench_events
+
+    def bench(fn, warmup, rep, grad_to_none=None):
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+    return "triton.testing.do_bench", bench
+
+
+def do_bench_events(fn, warmup, rep, grad_to_none=None):
+    """triton.testing.do_bench's procedure: estimate one call, run `warmup` ms of calls, then time
+    `rep` ms of calls one by one between L2 flushes, and return the median in ms."""
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warmup, n_repeat = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for _ in range(n_warmup):
+        fn()
+    for i in range(n_repeat):
+        for t in grad_to_none or []:
+            t.grad = None
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+class Inputs:
+    """q, k, v and dout of one shape, in ringflash's layout (B, S, H, D) and, as separate contiguous
+    copies of the same values, in SDPA's (B, H, S, D)."""
+
+    def __init__(self, batch, seqlen, heads, hdim, seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        bshd = [torch.randn(batch, seqlen, heads, hdim, device="cuda", dtype=DTYPE, generator=gen) for _ in range(4)]
+        self.ringflash = [t.requires_grad_(i < 3) for i, t in enumerate(bshd)]
+        # (B, S, H, D) -> (B, H, S, D), copied once here so that SDPA gets contiguous inputs.
+        bhsd = [t.detach().transpose(1, 2).contiguous() for t in bshd]
+        self.sdpa = [t.requires_grad_(i < 3) for i, t in enumerate(bhsd)]
+
+
+def backend_context(backend):
+    """SDPA restricted to one backend, around whole measurements as in the peer; nothing for ringflash."""
+    return contextlib.nullcontext() if backend == "ringflash" else sdpa_kernel([SDPA_BACKENDS[backend]])
+
+
+def tensors_of(backend, inputs):
+    return inputs.ringflash if backend == "ringflash" else inputs.sdpa
+
+
+def forward_fn(backend, inputs, causal):
+    """The forward call of `backend` on its own layout, autograd recording."""
+    q, k, v, _ = tensors_of(backend, inputs)
+    if backend == "ringflash":
+        return lambda: ringflash.flash_attn_func(q, k, v, causal=causal)
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def measure(backend, inputs, causal, args, bench):
+    """(forward ms, forward+backward ms) medians of one backend on one shape."""
+    fwd = forward_fn(backend, inputs, causal)
+    tensors = tensors_of(backend, inputs)
+    dout = tensors[3]
+
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    with backend_context(backend):
+        t_fwd = bench(fwd, args.warmup, args.rep)
+        t_fwd_bwd = bench(fwd_bwd, args.warmup, args.rep, grad_to_none=tensors[:3])
+    return t_fwd, t_fwd_bwd
+
+
+def results_of(backend, inputs, causal):
+    """out, dq, dk, dv of one forward+backward, in (B, S, H, D)."""
+    tensors = tensors_of(backend, inputs)
+    for t in tensors[:3]:
+        t.grad = None
+    with backend_context(backend):
+        out = forward_fn(backend, inputs, causal)()
+        out.backward(tensors[3])
+    results = [out.detach()] + [t.grad for t in tensors[:3]]
+    for t in tensors[:3]:
+        t.grad = None
+    if backend != "ringflash":
+        results = [r.transpose(1, 2) for r in results]  # (B, H, S, D) -> (B, S, H, D)
+    return results
+
+
+def check_agreement(inputs, causal, usable):
+    """ringflash's out and gradients against the flash backend's (cuDNN's if flash failed)."""
+    against = next((b for b in ("flash", "cudnn") if b in usable), None)
+    if against is None:
+        return dict(error="no torch backend ran this shape to compare with")
+    check = dict(against=against)
+    try:
+        ours = results_of("ringflash", inputs, causal)
+        theirs = results_of(against, inputs, causal)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return dict(against=against, error=f"{type(e).__name__}: {e}"[:300])
+    agrees = True
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        diff = (a.float() - b.float()).abs().max().item()
+        scale = b.float().abs().max().item()
+        rel = diff / scale if scale > 0 else diff
+        finite = math.isfinite(diff) and bool(torch.isfinite(a).all())
+        check[f"{name}_max_abs_diff"] = diff
+        check[f"{name}_rel_diff"] = rel
+        agrees = agrees and finite and rel <= AGREEMENT_RTOL[name]
+    check["agrees"] = agrees
+    return check
+
+
+def flops_of(batch, seqlen, heads, hdim, causal):
+    """Forward FLOPs as the peer counts them."""
+    return 4 * batch * seqlen * seqlen * heads * hdim * (0.5 if causal else 1.0)
+
+
+def ratio(ours, theirs, key):
+    """ours[key] / theirs[key], or None where either is missing (a backward time that came out <= 0)."""
+    if ours.get(key) is None or not theirs.get(key):
+        return None
+    return ours[key] / theirs[key]
+
+
+def shape_failed(shape):
+    """ringflash raised, or its results disagree with torch's (or could not be compared)."""
+    ours = next(r for r in shape["rows"] if r["backend"] == "ringflash")
+    return "error" in ours or not shape.get("check", {}).get("agrees", False)
+
+
+def run_shape(hdim, seqlen, causal, args, bench):
+    batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // hdim
+    flops = flops_of(batch, seqlen, heads, hdim, causal)
+    inputs = Inputs(batch, seqlen, heads, hdim, seed=seqlen * 1000 + hdim * 2 + int(causal))
+    times = {b: [] for b in BACKENDS}
+    errors = {}
+    for round_ in range(args.repeat):
+        order = BACKENDS[round_ % len(BACKENDS):] + BACKENDS[:round_ % len(BACKENDS)]
+        for backend in order:
+            if backend in errors:
+                continue
+            try:
+                times[backend].append(measure(backend, inputs, causal, args, bench))
+            except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+                errors[backend] = f"{type(e).__name__}: {e}"[:300]
+                torch.cuda.synchronize()
+    rows = []
+    for backend in BACKENDS:
+        row = dict(backend=backend, hdim=hdim, seqlen=seqlen, batch=batch, heads=heads, causal=causal,
+                   fwd_flops=flops)
+        if backend in errors:
+            row["error"] = errors[backend]
+        else:
+            t_fwd = statistics.median(t[0] for t in times[backend])
+            t_fwd_bwd = statistics.median(t[1] for t in times[backend])
+            row.update(fwd_ms=t_fwd, fwd_bwd_ms=t_fwd_bwd, bwd_ms=t_fwd_bwd - t_fwd,
+                       fwd_tflops=flops / t_fwd / 1e9,
+                       bwd_tflops=BWD_FLOPS_FACTOR * flops / (t_fwd_bwd - t_fwd) / 1e9 if t_fwd_bwd > t_fwd
+                       else None,
+                       fwdbwd_tflops=FWD_BWD_FLOPS_FACTOR * flops / t_fwd_bwd / 1e9,
+                       rounds=[dict(fwd_ms=f, fwd_bwd_ms=fb) for f, fb in times[backend]])
+        rows.append(row)
+    shape = dict(hdim=hdim, seqlen=seqlen, batch=batch, heads=heads, causal=causal, fwd_flops=flops)
+    by_backend = {r["backend"]: r for r in rows}
+    if "error" not in by_backend["ringflash"]:
+        shape["check"] = check_agreement(inputs, causal, [b for b in ("flash", "cudnn") if b not in errors])
+        for peer in ("flash", "cudnn"):
+            if "error" in by_backend[peer]:
+                continue
+            shape[f"ratio_{peer}"] = {phase: ratio(by_backend["ringflash"], by_backend[peer], f"{phase}_tflops")
+                                      for phase in ("fwd", "bwd", "fwdbwd")}
+    shape["rows"] = rows
+    del inputs
+    torch.cuda.empty_cache()
+    return shape
+
+
+def fmt(value, spec=".0f"):
+    return "-" if value is None else format(value, spec)
+
+
+CELL = 6  # width of one number in the table
+
+
+def table(shapes):
+    """The compact table: TFLOP/s per backend and phase, ratios, and the agreement check."""
+    group = 3 * CELL + 2
+    titles = ["fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s", "ringflash / flash", "ringflash / cuDNN"]
+    names = [("rf", "flash", "cudnn")] * 3 + [("fwd", "bwd", "f+b")] * 2
+    lines = [" " * 18 + " | " + " | ".join(t.center(group) for t in titles) + " |",
+             "hdim seqlen causal | " + " | ".join(" ".join(n.rjust(CELL) for n in ns) for ns in names) + " | check"]
+    for s in shapes:
+        rows = {r["backend"]: r for r in s["rows"]}
+        cells = [" ".join(fmt(rows[b].get(f"{phase}_tflops")).rjust(CELL) for b in BACKENDS)
+                 for phase in ("fwd", "bwd", "fwdbwd")]
+        for peer in ("flash", "cudnn"):
+            r = s.get(f"ratio_{peer}") or {}
+            cells.append(" ".join(fmt(r.get(p), ".2f").rjust(CELL) for p in ("fwd", "bwd", "fwdbwd")))
+        check = s.get("check", {})
+        if "error" in rows["ringflash"]:
+            verdict = "ringflash ERROR: " + rows["ringflash"]["error"][:80]
+        elif "error" in check:
+            verdict = "check ERROR: " + check["error"][:80]
+        else:
+            grads = max(check[f"{g}_rel_diff"] for g in ("dq", "dk", "dv"))
+            verdict = (f"{'ok' if check['agrees'] else 'MISMATCH'} vs {check['against']} "
+                       f"(rel diff out {check['out_rel_diff']:.1e}, grads {grads:.1e})")
+        lines.append(f"{s['hdim']:4d} {s['seqlen']:6d} {('yes' if s['causal'] else 'no'):>6} | "
+                     + " | ".join(cells) + " | " + verdict)
+        for b in ("flash", "cudnn"):
+            if "error" in rows[b]:
+                lines.append(f"{'':18} | {b} error: {rows[b]['error'][:100]}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device", file=sys.stderr)
+        return 2
+    timer_name, bench = make_timer()
+    info = dict(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                device=torch.cuda.get_device_name(), ringflash=ringflash.__version__,
+                ringflash_build=ringflash.build_info(), timer=timer_name, warmup_ms=args.warmup, rep_ms=args.rep,
+                repeat=args.repeat, dtype="bf16", total_tokens=TOTAL_TOKENS, hidden=HIDDEN)
+    print(f"torch {info['torch']} (CUDA {info['cuda']}, cuDNN {info['cudnn']}) on {info['device']}; "
+          f"ringflash {info['ringflash']}; {timer_name}, warm-up {args.warmup:g} ms, rep {args.rep:g} ms, "
+          f"{args.repeat} round(s), medians")
+    print(ringflash.build_info().rstrip(), flush=True)
+
+    shapes = []
+    for hdim in args.hdims:
+        for seqlen in args.seqlens:
+            for causal in args.causal:
+                shape = run_shape(hdim, seqlen, causal, args, bench)
+                shapes.append(shape)
+                for row in shape["rows"]:
+                    print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)
+                print(json.dumps(dict(hdim=hdim, seqlen=seqlen, causal=causal, check=shape.get("check"),
+                                      ratio_flash=shape.get("ratio_flash"), ratio_cudnn=shape.get("ratio_cudnn"))),
+                      flush=True)
+
+    failed = [s for s in shapes if shape_failed(s)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(info=info, shapes=shapes, failed=len(failed)), f, indent=1)
+        print(f"wrote {args.json}")
+    print("\n### gpu_bench table: bf16 TFLOP/s of ringflash (rf) and torch SDPA's flash and cudnn backends; "
+          "ratios = ringflash TFLOP/s / backend TFLOP/s")
+    print(table(shapes), flush=True)
+    if failed:
+        print(f"\n{len(failed)} of {len(shapes)} shapes: ringflash failed or disagrees with torch", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
