@@ -11,7 +11,7 @@ out, lse and every gradient are held to the pass rule of reference.py (DESIGN.md
   many tiles, where rows that see no key sit between rows that do;
 * packed batches with empty documents and rows outside every document, cu_seqlens on the GPU;
 * global positions through ringflash._C: q_offset / k_offset, and per-sequence q_seq_offsets /
-  k_seq_offsets (int32 on the host, as include/ringflash/attention.h says);
+  k_seq_offsets (int32 on q's device, as include/ringflash/attention.h says);
 * accumulate mode: forward over key blocks merged into fp32 (out, lse), backward adding into fp32
   dq, dk, dv that already hold values; against the reference and against the CPU kernel making
   the same calls;
@@ -478,14 +478,14 @@ def test_offsets(name, head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
 def test_sequence_offsets(head_dim, dtype):
-    """Per-sequence q_seq_offsets / k_seq_offsets (host int32) on a padded batch; the third sequence
+    """Per-sequence q_seq_offsets / k_seq_offsets (int32, on the GPU) on a padded batch; the third sequence
     sees nothing."""
     shape = Shape(3, 50, 70, 4, 2, head_dim)
     q, k, v = make_qkv(shape, dtype, seed=11)
     positions = [(30, 25), (2, 0), (-5, 100)]
     options = dict(causal=True, window_left=40,
-                   q_seq_offsets=torch.tensor([p[0] for p in positions], dtype=torch.int32),
-                   k_seq_offsets=torch.tensor([p[1] for p in positions], dtype=torch.int32))
+                   q_seq_offsets=torch.tensor([p[0] for p in positions], dtype=torch.int32, device=DEVICE),
+                   k_seq_offsets=torch.tensor([p[1] for p in positions], dtype=torch.int32, device=DEVICE))
     require_support_raw(q, k, v, causal=True, window_left=40)
     results = compare_with_reference(run_raw(options), reference_positions(positions, **raw_mask(options)),
                                      [q, k, v], dtype)
@@ -496,14 +496,14 @@ def test_sequence_offsets(head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
 def test_packed_sequence_offsets(head_dim, dtype):
-    """Per-document positions on a packed batch (cu_seqlens on the GPU, offsets on the host), with
+    """Per-document positions on a packed batch (cu_seqlens and offsets on the GPU), with
     rows outside every document: what the llama3 strategy hands the kernel."""
     lengths_q, lengths_k = [17, 0, 130, 1], [40, 3, 130, 0]
     positions = [(23, 0), (5, 5), (1000, 950), (7, 7)]
     q, k, v, cu_q, cu_k = packed_with_margins(lengths_q, lengths_k, 2, 9, 8, 2, head_dim, dtype, seed=12)
     options = dict(causal=True, window_left=64, cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE),
-                   q_seq_offsets=torch.tensor([p[0] for p in positions], dtype=torch.int32),
-                   k_seq_offsets=torch.tensor([p[1] for p in positions], dtype=torch.int32))
+                   q_seq_offsets=torch.tensor([p[0] for p in positions], dtype=torch.int32, device=DEVICE),
+                   k_seq_offsets=torch.tensor([p[1] for p in positions], dtype=torch.int32, device=DEVICE))
     require_support_raw(q, k, v, causal=True, window_left=64, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     results = compare_with_reference(run_raw(options),
                                      reference_packed_positions(cu_q, cu_k, positions, **raw_mask(options)),

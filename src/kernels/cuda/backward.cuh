@@ -66,6 +66,22 @@ __global__ void convert_dq_kernel(const Params p, int64_t total_rows) {
   *reinterpret_cast<uint4*>(dst) = packed;
 }
 
+// Rows of a packed tensor outside [cu_seqlens[0], cu_seqlens[B]) belong to no sequence and no
+// kernel visits them; without accumulate they are still written: zeros, and lse = -inf when an lse
+// is given. Thread i: row i / heads, head i % heads.
+template <typename T>
+__global__ void clear_unused_rows_kernel(core::AttentionArgs::Operand o, float* lse, int64_t lse_head_stride,
+                                         const int32_t* cu_seqlens, int64_t batch, int64_t rows, int64_t heads,
+                                         int head_dim) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * heads) return;
+  const int64_t r = i / heads, h = i % heads;
+  if (r >= cu_seqlens[0] && r < cu_seqlens[batch]) return;
+  T* row = static_cast<T*>(o.data) + r * o.row_stride + h * o.head_stride;
+  for (int d = 0; d < head_dim; ++d) row[d] = T(0.0f);
+  if (lse) lse[h * lse_head_stride + r] = -INFINITY;
+}
+
 // lse in log2 units for P = exp2(s2 - lse2): +inf for rows that see nothing or lie past the
 // sequence, so that their P is 0 rather than NaN.
 __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }

@@ -199,12 +199,15 @@ void attention_backward(const AttentionArgs& args) {
   // tile, the fp32 dq accumulator (rows x heads x head_dim). Stream-ordered, so graph capture works.
   const bool packed = args.cu_seqlens_q != nullptr;
   const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
-  const int64_t dsum_elements = total_rows * args.heads_q;
+  // dq_accum follows dsum at a 128-byte boundary: the conversion pass reads it in 16-byte vectors.
+  constexpr int64_t kAlignFloats = 32;
+  const int64_t dsum_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   p.dq_in_place = args.accumulate && !args.deterministic;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
   const int64_t dq_elements = dq_buffer ? dsum_elements * args.head_dim : 0;
   void* workspace = nullptr;
-  RINGFLASH_CUDA_CHECK(cudaMallocAsync(&workspace, (dsum_elements + dq_elements) * sizeof(float), stream));
+  const size_t workspace_bytes = (dsum_elements + dq_elements) * sizeof(float);
+  if (workspace_bytes > 0) RINGFLASH_CUDA_CHECK(cudaMallocAsync(&workspace, workspace_bytes, stream));
   p.dsum = static_cast<float*>(workspace);
   p.dsum_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
   p.dsum_head_stride = args.rows_q;
@@ -224,10 +227,10 @@ void attention_backward(const AttentionArgs& args) {
       RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
     k.backward(p, total_rows, stream);
   } catch (...) {
-    cudaFreeAsync(workspace, stream);
+    if (workspace) cudaFreeAsync(workspace, stream);
     throw;
   }
-  RINGFLASH_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  if (workspace) RINGFLASH_CUDA_CHECK(cudaFreeAsync(workspace, stream));
 }
 
 }  // namespace ringflash::cuda

@@ -22,14 +22,28 @@ void allow_smem(Kernel kernel, int bytes) {
   RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// Packed batches without accumulate: zeros (and lse = -inf) in the rows that belong to no sequence.
+template <typename T>
+void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o, float* lse,
+                       const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream) {
+  if (!cu_seqlens || a.accumulate || rows == 0) return;
+  constexpr int kThreads = 256;
+  clear_unused_rows_kernel<T><<<blocks_for(rows * heads, kThreads), kThreads, 0, stream>>>(
+      o, lse, a.lse_head_stride, cu_seqlens, a.batch, rows, heads, static_cast<int>(a.head_dim));
+  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
   allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes);
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(p.a.heads_q),
                   static_cast<unsigned>(p.a.batch));
-  forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p);
-  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  if (grid.x > 0) {
+    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
+  clear_unused_rows<T>(p.a, p.a.out, p.a.lse, p.a.cu_seqlens_q, p.a.rows_q, p.a.heads_q, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -37,30 +51,36 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
   using D = DqPass<T, kHeadDim>;
   constexpr int kThreads = 256;
-  const int64_t row_heads = total_rows * p.a.heads_q;
-  if (p.a.out_dtype == DType::kFloat32)
-    dot_do_o_kernel<T, float, kHeadDim><<<blocks_for(row_heads, kThreads), kThreads, 0, stream>>>(p, total_rows);
-  else
-    dot_do_o_kernel<T, T, kHeadDim><<<blocks_for(row_heads, kThreads), kThreads, 0, stream>>>(p, total_rows);
-  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  const core::AttentionArgs& a = p.a;
+  const int64_t row_heads = total_rows * a.heads_q;  // 0 when there are no queries: dK = dV = 0
+  if (row_heads > 0) {
+    const auto dot = a.out_dtype == DType::kFloat32 ? dot_do_o_kernel<T, float, kHeadDim> : dot_do_o_kernel<T, T, kHeadDim>;
+    dot<<<blocks_for(row_heads, kThreads), kThreads, 0, stream>>>(p, total_rows);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
 
-  allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes);
-  const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(p.a.heads_kv),
-                  static_cast<unsigned>(p.a.batch));
-  backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
-  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(a.heads_kv),
+                  static_cast<unsigned>(a.batch));
+  if (grid.x > 0) {
+    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes);
+    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
 
-  if (p.deterministic) {
+  if (row_heads > 0 && p.deterministic) {
+    const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(a.heads_q),
+                       static_cast<unsigned>(a.batch));
     allow_smem(dq_kernel<T, kHeadDim>, D::kSmemBytes);
-    const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(p.a.heads_q),
-                       static_cast<unsigned>(p.a.batch));
     dq_kernel<T, kHeadDim><<<dq_grid, D::kThreads, D::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
-  } else if (!p.dq_in_place) {
-    convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (p.a.head_dim / 8), kThreads), kThreads, 0, stream>>>(
+  } else if (row_heads > 0 && !p.dq_in_place) {
+    convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (a.head_dim / 8), kThreads), kThreads, 0, stream>>>(
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
+  clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+  clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
 }
 
 }  // namespace ringflash::cuda
