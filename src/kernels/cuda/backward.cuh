@@ -82,6 +82,16 @@ __global__ void clear_unused_rows_kernel(core::AttentionArgs::Operand o, float* 
   if (lse) lse[h * lse_head_stride + r] = -INFINITY;
 }
 
+// Atomically adds (x, y) to dst[0..1] (8-byte aligned): one vector reduction on sm_90.
+__device__ __forceinline__ void add_pair(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#else
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#endif
+}
+
 // lse in log2 units for P = exp2(s2 - lse2): +inf for rows that see nothing or lie past the
 // sequence, so that their P is 0 rather than NaN.
 __device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
@@ -211,7 +221,8 @@ struct Backward {
         }
       }
 
-      // P^T into st, dS^T into dpt. Element (qt, i) is key key_row0 + lane / 4 + 8 (i / 2), query
+      // P^T and dS^T, rounded to T as the A fragments of the next products (half the registers
+      // of fp32). Element (qt, i) is key key_row0 + lane / 4 + 8 (i / 2), query
       // 8 qt + 2 (lane % 4) + i % 2.
       const ScoreTransform f = p.score_transform(b, h);
       const bool alibi = a.alibi_slopes != nullptr;
@@ -230,32 +241,38 @@ struct Backward {
           st[qt][i] = visible ? pv : 0.0f;
           dpt[qt][i] = visible ? ds : 0.0f;
         }
+      uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
+#pragma unroll
+      for (int qs = 0; qs < kBlockM / 16; ++qs) {
+        accumulators_to_a<T>(pa[qs], st[2 * qs], st[2 * qs + 1]);
+        accumulators_to_a<T>(da[qs], dpt[2 * qs], dpt[2 * qs + 1]);
+      }
 
       // dV += P^T dO and dK += dS^T Q over this block's columns.
 #pragma unroll
       for (int qs = 0; qs < kBlockM / 16; ++qs) {
-        uint32_t pa[4], da[4];
-        accumulators_to_a<T>(pa, st[2 * qs], st[2 * qs + 1]);
-        accumulators_to_a<T>(da, dpt[2 * qs], dpt[2 * qs + 1]);
 #pragma unroll
         for (int dp = 0; dp < kDT / 2; ++dp) {
           uint32_t ob[4], qb[4];
           ldmatrix_x4_trans(ob, do_trans.at(qs * 16, part0 + dp * 16));
           ldmatrix_x4_trans(qb, q_trans.at(qs * 16, part0 + dp * 16));
-          Mma<T>::run(dv[2 * dp], pa, ob[0], ob[1]);
-          Mma<T>::run(dv[2 * dp + 1], pa, ob[2], ob[3]);
-          Mma<T>::run(dk[2 * dp], da, qb[0], qb[1]);
-          Mma<T>::run(dk[2 * dp + 1], da, qb[2], qb[3]);
+          Mma<T>::run(dv[2 * dp], pa[qs], ob[0], ob[1]);
+          Mma<T>::run(dv[2 * dp + 1], pa[qs], ob[2], ob[3]);
+          Mma<T>::run(dk[2 * dp], da[qs], qb[0], qb[1]);
+          Mma<T>::run(dk[2 * dp + 1], da[qs], qb[2], qb[3]);
         }
       }
 
+      // dS^T to shared memory for dQ: da[qs] holds (key g, queries 16 qs + 2t..), (g + 8, same),
+      // (g, 16 qs + 8 + 2t..), (g + 8, same).
       if (!p.deterministic) {
 #pragma unroll
-        for (int qt = 0; qt < kQT; ++qt)
+        for (int qs = 0; qs < kBlockM / 16; ++qs)
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
-            *reinterpret_cast<uint32_t*>(sds + STile::offset(key_row0 + lane / 4 + half * 8, qt * 8 + (lane % 4) * 2)) =
-                Mma<T>::pack(dpt[qt][2 * half], dpt[qt][2 * half + 1]);
+          for (int j = 0; j < 4; ++j) {
+            const int key = key_row0 + lane / 4 + (j % 2) * 8, col = qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
+            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, col)) = da[qs][j];
+          }
       }
       __syncthreads();  // dS^T is in shared memory; every warp is done with this item's q and dout
       if (kStages == 1 && item + 1 < items) {
@@ -298,8 +315,7 @@ struct Backward {
 #pragma unroll
       for (int dt = 0; dt < kDqDim / 8; ++dt) {
         if (col0 + dt * 8 >= p.a.head_dim) break;
-        atomicAdd(dst + dt * 8, dq[dt][2 * half]);
-        atomicAdd(dst + dt * 8 + 1, dq[dt][2 * half + 1]);
+        add_pair(dst + dt * 8, dq[dt][2 * half], dq[dt][2 * half + 1]);
       }
     }
   }
