@@ -293,7 +293,11 @@ struct Backward {
     const int mt = warp % kDqMT, col0 = part0 + warp / kDqMT * kDqDim;
     const auto ds_lanes = STile::a_trans_lanes(sds_addr, lane);
     const auto k_lanes = KTile::b_trans_lanes(sk_addr, lane);
-    float dq[kDqDim / 8][4] = {};
+    // Two accumulator sets, for even and odd k-steps: twice the independent products in flight,
+    // since each chain waits for the previous product's result.
+    constexpr int kChains = 2;
+    static_assert((kBlockN / 16) % kChains == 0, "k-steps split evenly over the chains");
+    float dq[kChains][kDqDim / 8][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
       uint32_t sa[4];
@@ -302,10 +306,14 @@ struct Backward {
       for (int dp = 0; dp < kDqDim / 16; ++dp) {
         uint32_t kb[4];
         ldmatrix_x4_trans(kb, k_lanes.at(ks * 16, col0 + dp * 16));
-        Mma<T>::run(dq[2 * dp], sa, kb[0], kb[1]);
-        Mma<T>::run(dq[2 * dp + 1], sa, kb[2], kb[3]);
+        Mma<T>::run(dq[ks % kChains][2 * dp], sa, kb[0], kb[1]);
+        Mma<T>::run(dq[ks % kChains][2 * dp + 1], sa, kb[2], kb[3]);
       }
     }
+#pragma unroll
+    for (int dt = 0; dt < kDqDim / 8; ++dt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dq[0][dt][i] += dq[1][dt][i];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 16 + lane / 4 + half * 8;
@@ -315,7 +323,7 @@ struct Backward {
 #pragma unroll
       for (int dt = 0; dt < kDqDim / 8; ++dt) {
         if (col0 + dt * 8 >= p.a.head_dim) break;
-        add_pair(dst + dt * 8, dq[dt][2 * half], dq[dt][2 * half + 1]);
+        add_pair(dst + dt * 8, dq[0][dt][2 * half], dq[0][dt][2 * half + 1]);
       }
     }
   }
