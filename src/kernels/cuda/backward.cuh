@@ -294,8 +294,9 @@ struct Backward {
     const auto ds_lanes = STile::a_trans_lanes(sds_addr, lane);
     const auto k_lanes = KTile::b_trans_lanes(sk_addr, lane);
     // Two accumulator sets, for even and odd k-steps: twice the independent products in flight,
-    // since each chain waits for the previous product's result.
-    constexpr int kChains = 2;
+    // since each chain waits for the previous product's result. Wide dQ tiles (head dim 256)
+    // already have enough, and no registers to spare.
+    constexpr int kChains = kDqDim <= 64 ? 2 : 1;
     static_assert((kBlockN / 16) % kChains == 0, "k-steps split evenly over the chains");
     float dq[kChains][kDqDim / 8][4] = {};
 #pragma unroll
@@ -311,9 +312,11 @@ struct Backward {
       }
     }
 #pragma unroll
-    for (int dt = 0; dt < kDqDim / 8; ++dt)
+    for (int c = 1; c < kChains; ++c)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) dq[0][dt][i] += dq[1][dt][i];
+      for (int dt = 0; dt < kDqDim / 8; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dq[0][dt][i] += dq[c][dt][i];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 16 + lane / 4 + half * 8;
