@@ -34,10 +34,8 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
   if (i >= total_rows * a.heads_q) return;
   const int64_t r = i / a.heads_q, h = i % a.heads_q;
   const int64_t b = r / a.rows_q, row = r % a.rows_q;
-  const T* dout = static_cast<const T*>(a.dout.data) + b * a.dout.batch_stride + row * a.dout.row_stride +
-                  h * a.dout.head_stride;
-  const TOut* out = static_cast<const TOut*>(a.out.data) + b * a.out.batch_stride + row * a.out.row_stride +
-                    h * a.out.head_stride;
+  const T* dout = row_ptr<const T>(a.dout, b, row, h);
+  const TOut* out = row_ptr<const TOut>(a.out, b, row, h);
   float sum = 0.0f;
 #pragma unroll 8
   for (int d = 0; d < a.head_dim; ++d) sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]);
@@ -56,7 +54,7 @@ __global__ void convert_dq_kernel(const Params p, int64_t total_rows) {
   const int64_t b = r / a.rows_q, row = r % a.rows_q;
   const float* src = p.dq_accum + b * p.dq_accum_batch_stride + row * p.dq_accum_row_stride +
                      h * p.dq_accum_head_stride + d;
-  T* dst = static_cast<T*>(a.dq.data) + b * a.dq.batch_stride + row * a.dq.row_stride + h * a.dq.head_stride + d;
+  T* dst = row_ptr<T>(a.dq, b, row, h) + d;
   const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
   uint4 packed;
   packed.x = Mma<T>::pack(lo.x, lo.y);
@@ -90,6 +88,20 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
   atomicAdd(dst, x);
   atomicAdd(dst + 1, y);
 #endif
+}
+
+// Elements col, col + 1 of a gradient row: rounded to T, or added to the fp32 gradient in
+// accumulate mode.
+template <typename T>
+__device__ __forceinline__ void store_grad_pair(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o,
+                                                int64_t b, int64_t row, int64_t h, int col, float x, float y) {
+  if (!a.accumulate) {
+    *reinterpret_cast<uint32_t*>(row_ptr<T>(o, b, row, h) + col) = Mma<T>::pack(x, y);
+  } else {
+    float2* g = reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col);
+    const float2 old = *g;
+    *g = make_float2(old.x + x, old.y + y);
+  }
 }
 
 // lse in log2 units for P = exp2(s2 - lse2): +inf for rows that see nothing or lie past the
@@ -147,10 +159,8 @@ struct Backward {
     const int64_t m_tiles = last > first ? (last - seq.pos_q + kBlockM - 1) / kBlockM - m_begin : 0;
     const int64_t items = m_tiles * p.group;
 
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + (seq.row_k + n0) * a.k.row_stride +
-                 hk * a.k.head_stride;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + (seq.row_k + n0) * a.v.row_stride +
-                 hk * a.v.head_stride;
+    const T* k = row_ptr<const T>(a.k, b, seq.row_k + n0, hk);
+    const T* v = row_ptr<const T>(a.v, b, seq.row_k + n0, hk);
     // Item i: q head hk * group + i / m_tiles, query tile m_begin + i % m_tiles.
     const auto item_head = [&](int64_t i) { return static_cast<int>(hk * p.group + i / m_tiles); };
     const auto item_q0 = [&](int64_t i) { return (m_begin + i % m_tiles) * kBlockM; };
@@ -158,10 +168,8 @@ struct Backward {
       const int h = item_head(i);
       const int64_t q0 = item_q0(i);
       const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
-      const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + (seq.row_q + q0) * a.q.row_stride +
-                   h * a.q.head_stride;
-      const T* dout = static_cast<const T*>(a.dout.data) + b * a.dout.batch_stride +
-                      (seq.row_q + q0) * a.dout.row_stride + h * a.dout.head_stride;
+      const T* q = row_ptr<const T>(a.q, b, seq.row_q + q0, h);
+      const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
       QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows, a.head_dim);
       QTile::template load<kThreads>(sdo + stage * QTile::kElements, dout, a.dout.row_stride, rows, a.head_dim);
       // Rows past the sequence get lse2 = +inf and dsum = 0, so their P and dS are 0.
@@ -342,24 +350,12 @@ struct Backward {
       const int key = key_row0 + lane / 4 + half * 8;
       if (key >= valid_n) continue;
       const int64_t row = row0 + key;
-      const int64_t at_k = b * a.dk.batch_stride + row * a.dk.row_stride + hk * a.dk.head_stride + part0;
-      const int64_t at_v = b * a.dv.batch_stride + row * a.dv.row_stride + hk * a.dv.head_stride + part0;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         if (part0 + dt * 8 >= a.head_dim) break;
-        const int col = dt * 8 + (lane % 4) * 2;
-        if (!a.accumulate) {
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dk.data) + at_k + col) =
-              Mma<T>::pack(dk[dt][2 * half], dk[dt][2 * half + 1]);
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dv.data) + at_v + col) =
-              Mma<T>::pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
-        } else {
-          float2* gk = reinterpret_cast<float2*>(static_cast<float*>(a.dk.data) + at_k + col);
-          float2* gv = reinterpret_cast<float2*>(static_cast<float*>(a.dv.data) + at_v + col);
-          const float2 ok = *gk, ov = *gv;
-          *gk = make_float2(ok.x + dk[dt][2 * half], ok.y + dk[dt][2 * half + 1]);
-          *gv = make_float2(ov.x + dv[dt][2 * half], ov.y + dv[dt][2 * half + 1]);
-        }
+        const int col = part0 + dt * 8 + (lane % 4) * 2;
+        store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[dt][2 * half], dk[dt][2 * half + 1]);
+        store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[dt][2 * half], dv[dt][2 * half + 1]);
       }
     }
   }
@@ -405,14 +401,10 @@ struct DqPass {
     key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
 
     const int64_t hk = h / p.group;
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + (seq.row_q + q0) * a.q.row_stride +
-                 h * a.q.head_stride;
-    const T* dout = static_cast<const T*>(a.dout.data) + b * a.dout.batch_stride +
-                    (seq.row_q + q0) * a.dout.row_stride + h * a.dout.head_stride;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + seq.row_k * a.k.row_stride +
-                 hk * a.k.head_stride;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + seq.row_k * a.v.row_stride +
-                 hk * a.v.head_stride;
+    const T* q = row_ptr<const T>(a.q, b, seq.row_q + q0, h);
+    const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
+    const T* k = row_ptr<const T>(a.k, b, seq.row_k, hk);
+    const T* v = row_ptr<const T>(a.v, b, seq.row_k, hk);
     const auto valid_keys = [&](int64_t n) {
       const int64_t left = seq.len_k - n * kBlockN;
       return static_cast<int>(left < kBlockN ? left : kBlockN);
@@ -499,19 +491,10 @@ struct DqPass {
       const int r = row0 + lane / 4 + half * 8;
       if (r >= rows) continue;
       const int64_t row = seq.row_q + q0 + r;
-      const int64_t at = b * a.dq.batch_stride + row * a.dq.row_stride + h * a.dq.head_stride;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         if (dt * 8 >= a.head_dim) break;
-        const int col = dt * 8 + (lane % 4) * 2;
-        if (!a.accumulate) {
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(a.dq.data) + at + col) =
-              Mma<T>::pack(dq[dt][2 * half], dq[dt][2 * half + 1]);
-        } else {
-          float2* g = reinterpret_cast<float2*>(static_cast<float*>(a.dq.data) + at + col);
-          const float2 old = *g;
-          *g = make_float2(old.x + dq[dt][2 * half], old.y + dq[dt][2 * half + 1]);
-        }
+        store_grad_pair<T>(a, a.dq, b, row, h, dt * 8 + (lane % 4) * 2, dq[dt][2 * half], dq[dt][2 * half + 1]);
       }
     }
   }

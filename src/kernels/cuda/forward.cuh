@@ -116,13 +116,10 @@ struct Forward {
     int64_t n_begin, n_end;
     key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
 
-    const T* q = static_cast<const T*>(a.q.data) + b * a.q.batch_stride + (seq.row_q + q0) * a.q.row_stride +
-                 h * a.q.head_stride;
+    const T* q = row_ptr<const T>(a.q, b, seq.row_q + q0, h);
     const int64_t hk = h / p.group;
-    const T* k = static_cast<const T*>(a.k.data) + b * a.k.batch_stride + seq.row_k * a.k.row_stride +
-                 hk * a.k.head_stride;
-    const T* v = static_cast<const T*>(a.v.data) + b * a.v.batch_stride + seq.row_k * a.v.row_stride +
-                 hk * a.v.head_stride;
+    const T* k = row_ptr<const T>(a.k, b, seq.row_k, hk);
+    const T* v = row_ptr<const T>(a.v, b, seq.row_k, hk);
     const auto valid_keys = [&](int64_t n) {
       const int64_t left = seq.len_k - n * kBlockN;
       return static_cast<int>(left < kBlockN ? left : kBlockN);
@@ -256,9 +253,8 @@ struct Forward {
         if (r >= rows) continue;
         const int64_t row = seq.row_q + q0 + r;
         float* lse_ptr = a.lse + p.lse_index(b, h, row);
-        const int64_t at = b * a.out.batch_stride + row * a.out.row_stride + h * a.out.head_stride;
         if (!a.accumulate) {
-          T* out = static_cast<T*>(a.out.data) + at;
+          T* out = row_ptr<T>(a.out, b, row, h);
 #pragma unroll
           for (int dt = 0; dt < kDT; ++dt)
             if (dt * 8 < a.head_dim)
@@ -266,7 +262,7 @@ struct Forward {
                 Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
           if (lane % 4 == 0) *lse_ptr = lse;
         } else {
-          float* out = static_cast<float*>(a.out.data) + at;
+          float* out = row_ptr<float>(a.out, b, row, h);
           const core::MergeWeights w = core::merge_weights(*lse_ptr, lse);
           const float w_blk = w.w_blk * inv;
 #pragma unroll

@@ -49,6 +49,12 @@ struct ScoreTransform {
   }
 };
 
+// Element (b, row, h, 0) of an operand; `row` counts from the start of the (packed) tensor.
+template <typename T>
+__device__ __forceinline__ T* row_ptr(const core::AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h) {
+  return static_cast<T*>(o.data) + b * o.batch_stride + row * o.row_stride + h * o.head_stride;
+}
+
 struct Params {
   core::AttentionArgs a;
   int group = 1;           // q heads per k/v head
