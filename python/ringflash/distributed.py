@@ -230,6 +230,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _destroy_default_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def setup_mpi_distributed(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> dict:
     """Initialises torch.distributed for this job and returns ``setup_info``:
     {"rank", "world_size", "local_rank", "device", "backend", "launcher"}.
@@ -273,5 +278,9 @@ def setup_mpi_distributed(backend: Optional[str] = None, timeout: Optional[timed
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
                                 **kwargs)
+        # A group left to interpreter shutdown can abort the process ("terminate called without an
+        # active exception", pytorch/pytorch#190489), after the script's work is done: the group
+        # made here is destroyed at exit unless the script did so first.
+        atexit.register(_destroy_default_group)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "local_rank": local_rank,
             "device": device, "backend": dist.get_backend(), "launcher": launcher}
