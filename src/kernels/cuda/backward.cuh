@@ -9,8 +9,10 @@
 //   DqKernel   deterministic dQ: one thread block per query tile walks the key tiles.
 //   convert_dq dq = dq_accum, rounded to dq's dtype.
 //
-// Each warp of Backward owns 16 keys: S^T = K Q^T and dP^T = V dO^T stay in registers, and P^T and
-// dS^T feed dV += P^T dO and dK += dS^T Q as A fragments. dS^T also goes to shared memory for dQ.
+// Backward computes S^T = K Q^T and dP^T = V dO^T with each warp on 32 keys x half the query tile,
+// so P^T and dS^T come out as A fragments of dV += P^T dO and dK += dS^T Q. Through shared memory
+// the warp with the same keys and the other query half gets them too, and splits dK/dV's columns
+// with it; dQ = dS K reads dS^T from there as well.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,7 +41,7 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
   float sum = 0.0f;
 #pragma unroll 8
   for (int d = 0; d < a.head_dim; ++d) sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]);
-  p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] = sum;
+  p.dsum[p.dsum_index(b, h, row)] = sum;
 }
 
 template <typename T, int kHeadDim>
@@ -115,19 +117,30 @@ struct Backward {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStages = kTiles.stages;
   static constexpr int kPartDim = kHeadDim / kTiles.dim_parts;  // dK/dV columns of one block
-  static constexpr int kQT = kBlockM / 8;                       // n-tiles of S^T (queries)
-  static constexpr int kDT = kPartDim / 8;                      // n-tiles of dK, dV
-  static constexpr int kDqMT = kBlockM / 16;                    // m-tiles of dQ, one per warp row
-  static constexpr int kDqParts = kWarps / kDqMT;               // warps across dQ's columns
-  static constexpr int kDqDim = kPartDim / kDqParts;
-  static_assert(kBlockN == 16 * kWarps, "each warp owns 16 keys");
-  static_assert(kWarps % kDqMT == 0 && kPartDim % (16 * kDqParts) == 0, "dQ tiles split evenly over warps");
+  // Warp w owns keys 32 (w % kKeyWarps) onwards. For S^T and dP^T it takes the query half
+  // w / kKeyWarps of the tile, for dK and dV the same half of the block's columns.
+  static constexpr int kKeyWarps = kBlockN / 32;
+  static constexpr int kWarpQueries = kBlockM / 2;
+  static constexpr int kWarpDim = kPartDim / 2;
+  static constexpr int kQT = kWarpQueries / 8;  // n-tiles of a warp's S^T
+  static constexpr int kQS = kWarpQueries / 16;  // its 16-query k-steps
+  static constexpr int kDT = kWarpDim / 8;      // n-tiles of a warp's dK, dV
+  // dQ: warp w owns query half w % 2 and columns kDqDim (w / 2) onwards of the part.
+  static constexpr int kDqMT = kBlockM / 2 / 16;
+  static constexpr int kDqDim = kPartDim / (kWarps / 2);
+  static_assert(kWarps == 2 * kKeyWarps, "two warps per 32 keys");
+  static_assert(kWarpQueries % 16 == 0 && kWarpDim % 16 == 0 && kDqDim % 16 == 0, "whole fragments per warp");
   using KTile = Tile<kBlockN, kHeadDim>;
   using QTile = Tile<kBlockM, kHeadDim>;
-  using STile = Tile<kBlockN, kBlockM>;  // dS^T, [key][query]
+  using STile = Tile<kBlockN, kBlockM>;  // P^T and dS^T, [key][query]
   // Tiles, then per stage the lse (log2 units) and dsum of the tile's query rows.
   static constexpr int kSmemBytes =
-      (2 * KTile::kElements + 2 * kStages * QTile::kElements + STile::kElements) * 2 + 2 * kStages * kBlockM * 4;
+      (2 * KTile::kElements + 2 * kStages * QTile::kElements + 2 * STile::kElements) * 2 + 2 * kStages * kBlockM * 4;
+
+  // A fragments of P^T and dS^T for a warp's two 16-key m-tiles over one 16-query k-step.
+  struct Fragments {
+    uint32_t p[2][4], ds[2][4];
+  };
 
   static __device__ void run(const Params& p) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -135,21 +148,26 @@ struct Backward {
     T* sv = sk + KTile::kElements;
     T* sq = sv + KTile::kElements;               // kStages tiles
     T* sdo = sq + kStages * QTile::kElements;    // kStages tiles
-    T* sds = sdo + kStages * QTile::kElements;
+    T* sp = sdo + kStages * QTile::kElements;
+    T* sds = sp + STile::kElements;
     float* srow = reinterpret_cast<float*>(sds + STile::kElements);  // [stage][lse2 | dsum][kBlockM]
 
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, key_row0 = warp * 16;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int key0 = warp % kKeyWarps * 32, half = warp / kKeyWarps;
+    const int query0 = half * kWarpQueries, other_query0 = (1 - half) * kWarpQueries;
     const auto k_lanes = KTile::a_lanes(smem_address(sk), lane);
     const auto v_lanes = KTile::a_lanes(smem_address(sv), lane);
+    const auto p_lanes = STile::a_lanes(smem_address(sp), lane);
+    const auto ds_lanes = STile::a_lanes(smem_address(sds), lane);
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.z;
     const int hk = blockIdx.y;
-    const int part = blockIdx.x % kTiles.dim_parts;
-    const int part0 = part * kPartDim;
+    const int part0 = blockIdx.x % kTiles.dim_parts * kPartDim;
+    const int col0 = part0 + half * kWarpDim;  // this warp's dK/dV columns
     const core::Sequence seq = core::sequence(a, b);
     const int64_t n0 = static_cast<int64_t>(blockIdx.x / kTiles.dim_parts) * kBlockN;
     if (n0 >= seq.len_k) return;
-    const int valid_n = static_cast<int>(seq.len_k - n0 < kBlockN ? seq.len_k - n0 : kBlockN);
+    const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
 
     const core::Mask mask = p.mask();
     const int64_t pk0 = seq.pos_k + n0;
@@ -167,7 +185,7 @@ struct Backward {
     const auto load_item = [&](int64_t i, int stage) {
       const int h = item_head(i);
       const int64_t q0 = item_q0(i);
-      const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
+      const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const T* q = row_ptr<const T>(a.q, b, seq.row_q + q0, h);
       const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
       QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows, a.head_dim);
@@ -177,12 +195,11 @@ struct Backward {
         const int64_t row = seq.row_q + q0 + r;
         const bool valid = r < rows;
         srow[stage * 2 * kBlockM + r] = valid ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
-        srow[stage * 2 * kBlockM + kBlockM + r] =
-            valid ? p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] : 0.0f;
+        srow[stage * 2 * kBlockM + kBlockM + r] = valid ? p.dsum[p.dsum_index(b, h, row)] : 0.0f;
       }
     };
 
-    float dk[kDT][4] = {}, dv[kDT][4] = {};
+    float dk[2][kDT][4] = {}, dv[2][kDT][4] = {};
     if (items > 0) {
       KTile::template load<kThreads>(sk, k, a.k.row_stride, valid_n, a.head_dim);
       KTile::template load<kThreads>(sv, v, a.v.row_stride, valid_n, a.head_dim);
@@ -193,7 +210,7 @@ struct Backward {
     for (int64_t item = 0; item < items; ++item) {
       const int stage = kStages == 2 ? static_cast<int>(item % 2) : 0;
       cp_async_wait<0>();
-      __syncthreads();  // this item's tiles have landed; every warp is done with the last dS^T
+      __syncthreads();  // this item's tiles have landed; every warp is done with the last P^T, dS^T
       if (kStages == 2 && item + 1 < items) {
         load_item(item + 1, 1 - stage);
         cp_async_commit();
@@ -201,163 +218,188 @@ struct Backward {
       const uint32_t stage_bytes = stage * QTile::kElements * 2;
       const auto q_lanes = QTile::b_lanes(smem_address(sq) + stage_bytes, lane);
       const auto do_lanes = QTile::b_lanes(smem_address(sdo) + stage_bytes, lane);
-      const auto q_trans = QTile::b_trans_lanes(smem_address(sq) + stage_bytes, lane);
-      const auto do_trans = QTile::b_trans_lanes(smem_address(sdo) + stage_bytes, lane);
       const int h = item_head(item);
       const int64_t q0 = item_q0(item);
-      const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
-
+      const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const float* lse2 = srow + stage * 2 * kBlockM;
       const float* dsum = lse2 + kBlockM;
 
-      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
-      float st[kQT][4] = {}, dpt[kQT][4] = {};
+      // S^T = K Q^T and dP^T = V dO^T for this warp's 32 keys and 32 queries.
+      float st[2][kQT][4] = {}, dpt[2][kQT][4] = {};
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t ka[4], va[4];
-        ldmatrix_x4(ka, k_lanes.at(key_row0, ks * 16));
-        ldmatrix_x4(va, v_lanes.at(key_row0, ks * 16));
+        uint32_t qb[kQS][4], ob[kQS][4];
 #pragma unroll
-        for (int qp = 0; qp < kQT / 2; ++qp) {
-          uint32_t qb[4], ob[4];
-          ldmatrix_x4(qb, q_lanes.at(qp * 16, ks * 16));
-          ldmatrix_x4(ob, do_lanes.at(qp * 16, ks * 16));
-          Mma<T>::run(st[2 * qp], ka, qb[0], qb[1]);
-          Mma<T>::run(st[2 * qp + 1], ka, qb[2], qb[3]);
-          Mma<T>::run(dpt[2 * qp], va, ob[0], ob[1]);
-          Mma<T>::run(dpt[2 * qp + 1], va, ob[2], ob[3]);
+        for (int qs = 0; qs < kQS; ++qs) {
+          ldmatrix_x4(qb[qs], q_lanes.at(query0 + qs * 16, ks * 16));
+          ldmatrix_x4(ob[qs], do_lanes.at(query0 + qs * 16, ks * 16));
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t ka[4], va[4];
+          ldmatrix_x4(ka, k_lanes.at(key0 + mt * 16, ks * 16));
+          ldmatrix_x4(va, v_lanes.at(key0 + mt * 16, ks * 16));
+#pragma unroll
+          for (int qs = 0; qs < kQS; ++qs) {
+            Mma<T>::run(st[mt][2 * qs], ka, qb[qs][0], qb[qs][1]);
+            Mma<T>::run(st[mt][2 * qs + 1], ka, qb[qs][2], qb[qs][3]);
+            Mma<T>::run(dpt[mt][2 * qs], va, ob[qs][0], ob[qs][1]);
+            Mma<T>::run(dpt[mt][2 * qs + 1], va, ob[qs][2], ob[qs][3]);
+          }
         }
       }
 
-      // P^T and dS^T, rounded to T as the A fragments of the next products (half the registers
-      // of fp32). Element (qt, i) is key key_row0 + lane / 4 + 8 (i / 2), query
-      // 8 qt + 2 (lane % 4) + i % 2.
+      // P^T and dS^T, rounded to T as A fragments (half the registers of fp32). Element
+      // (mt, qt, i) is key key0 + 16 mt + lane / 4 + 8 (i / 2), query query0 + 8 qt + 2 (lane % 4) + i % 2.
       const ScoreTransform f = p.score_transform(b, h);
       const bool alibi = a.alibi_slopes != nullptr;
-      const int64_t pq0 = seq.pos_q + q0, d0 = pk0 - pq0;
-      const bool partial = valid_n < kBlockN || rows < kBlockM ||
-                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+      const TileMask tile(mask, pk0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
 #pragma unroll
-      for (int qt = 0; qt < kQT; ++qt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = key_row0 + lane / 4 + (i / 2) * 8, col = qt * 8 + (lane % 4) * 2 + i % 2;
-          const int64_t d = d0 + key - col;
-          const bool visible = !partial || (key < valid_n && col < rows && d >= -mask.left && d <= mask.right);
-          float pv, ds;
-          f.gradient(st[qt][i], dpt[qt][i], lse2[col], dsum[col], alibi, d, &pv, &ds);
-          st[qt][i] = visible ? pv : 0.0f;
-          dpt[qt][i] = visible ? ds : 0.0f;
+        for (int qt = 0; qt < kQT; ++qt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
+            const int query = query0 + qt * 8 + (lane % 4) * 2 + i % 2;
+            const bool visible = tile.visible(query, key);
+            float pv, ds;
+            f.gradient(st[mt][qt][i], dpt[mt][qt][i], lse2[query], dsum[query], alibi, tile.distance(query, key), &pv,
+                       &ds);
+            st[mt][qt][i] = visible ? pv : 0.0f;
+            dpt[mt][qt][i] = visible ? ds : 0.0f;
+          }
+      Fragments own[kQS];
+#pragma unroll
+      for (int qs = 0; qs < kQS; ++qs)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          accumulators_to_a<T>(own[qs].p[mt], st[mt][2 * qs], st[mt][2 * qs + 1]);
+          accumulators_to_a<T>(own[qs].ds[mt], dpt[mt][2 * qs], dpt[mt][2 * qs + 1]);
         }
-      uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
-#pragma unroll
-      for (int qs = 0; qs < kBlockM / 16; ++qs) {
-        accumulators_to_a<T>(pa[qs], st[2 * qs], st[2 * qs + 1]);
-        accumulators_to_a<T>(da[qs], dpt[2 * qs], dpt[2 * qs + 1]);
-      }
 
-      // dV += P^T dO and dK += dS^T Q over this block's columns.
+      // P^T and dS^T to shared memory: the warp with the other query half needs them for dK and
+      // dV, every warp needs dS^T for dQ. Fragment register j holds key g + 8 (j % 2), queries
+      // 8 (j / 2) + 2 (lane % 4) and the next.
 #pragma unroll
-      for (int qs = 0; qs < kBlockM / 16; ++qs) {
+      for (int qs = 0; qs < kQS; ++qs)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int key = key0 + mt * 16 + lane / 4 + (j % 2) * 8;
+            const int query = query0 + qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
+            *reinterpret_cast<uint32_t*>(sp + STile::offset(key, query)) = own[qs].p[mt][j];
+            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, query)) = own[qs].ds[mt][j];
+          }
+      __syncthreads();  // P^T and dS^T are in shared memory
+
+      // dV += P^T dO and dK += dS^T Q: this warp's queries from registers, the others' from
+      // shared memory.
+      const auto do_trans = QTile::b_trans_lanes(smem_address(sdo) + stage_bytes, lane);
+      const auto q_trans = QTile::b_trans_lanes(smem_address(sq) + stage_bytes, lane);
+      const auto accumulate_kv = [&](const Fragments& fr, int query) {
 #pragma unroll
         for (int dp = 0; dp < kDT / 2; ++dp) {
           uint32_t ob[4], qb[4];
-          ldmatrix_x4_trans(ob, do_trans.at(qs * 16, part0 + dp * 16));
-          ldmatrix_x4_trans(qb, q_trans.at(qs * 16, part0 + dp * 16));
-          Mma<T>::run(dv[2 * dp], pa[qs], ob[0], ob[1]);
-          Mma<T>::run(dv[2 * dp + 1], pa[qs], ob[2], ob[3]);
-          Mma<T>::run(dk[2 * dp], da[qs], qb[0], qb[1]);
-          Mma<T>::run(dk[2 * dp + 1], da[qs], qb[2], qb[3]);
+          ldmatrix_x4_trans(ob, do_trans.at(query, col0 + dp * 16));
+          ldmatrix_x4_trans(qb, q_trans.at(query, col0 + dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            Mma<T>::run(dv[mt][2 * dp], fr.p[mt], ob[0], ob[1]);
+            Mma<T>::run(dv[mt][2 * dp + 1], fr.p[mt], ob[2], ob[3]);
+            Mma<T>::run(dk[mt][2 * dp], fr.ds[mt], qb[0], qb[1]);
+            Mma<T>::run(dk[mt][2 * dp + 1], fr.ds[mt], qb[2], qb[3]);
+          }
         }
+      };
+#pragma unroll
+      for (int qs = 0; qs < kQS; ++qs) accumulate_kv(own[qs], query0 + qs * 16);
+#pragma unroll
+      for (int qs = 0; qs < kQS; ++qs) {
+        const int query = other_query0 + qs * 16;
+        Fragments other;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          ldmatrix_x4(other.p[mt], p_lanes.at(key0 + mt * 16, query));
+          ldmatrix_x4(other.ds[mt], ds_lanes.at(key0 + mt * 16, query));
+        }
+        accumulate_kv(other, query);
       }
 
-      // dS^T to shared memory for dQ: da[qs] holds (key g, queries 16 qs + 2t..), (g + 8, same),
-      // (g, 16 qs + 8 + 2t..), (g + 8, same).
-      if (!p.deterministic) {
-#pragma unroll
-        for (int qs = 0; qs < kBlockM / 16; ++qs)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int key = key_row0 + lane / 4 + (j % 2) * 8, col = qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, col)) = da[qs][j];
-          }
-      }
-      __syncthreads();  // dS^T is in shared memory; every warp is done with this item's q and dout
       if (kStages == 1 && item + 1 < items) {
+        __syncthreads();  // every warp is done with this item's q and dout
         load_item(item + 1, 0);
         cp_async_commit();
       }
-      if (!p.deterministic) accumulate_dq(p, b, h, seq.row_q + q0, rows, part0, smem_address(sds), smem_address(sk), lane, warp);
+      if (!a.deterministic) accumulate_dq(p, b, h, seq.row_q + q0, rows, part0, smem_address(sds), smem_address(sk), lane, warp);
     }
 
-    write_dkdv(p, b, hk, seq.row_k + n0, valid_n, part0, dk, dv, lane, key_row0);
+    write_dkdv(p, b, hk, seq.row_k + n0, valid_n, col0, dk, dv, lane, key0);
   }
 
-  // dQ += dS K for one query tile, added with atomics to the fp32 accumulator. Warp w owns
-  // m-tile w % kDqMT and columns part0 + (w / kDqMT) * kDqDim onwards.
+  // dQ += dS K for one query tile, added with atomics to the fp32 accumulator. Warp w owns query
+  // rows kBlockM / 2 (w % 2) onwards and columns part0 + kDqDim (w / 2) onwards.
   static __device__ __forceinline__ void accumulate_dq(const Params& p, int64_t b, int h, int64_t row0, int rows,
                                                        int part0, uint32_t sds_addr, uint32_t sk_addr, int lane,
                                                        int warp) {
-    const int mt = warp % kDqMT, col0 = part0 + warp / kDqMT * kDqDim;
+    const int m0 = warp % 2 * (kBlockM / 2), c0 = part0 + warp / 2 * kDqDim;
+    const int head_dim = static_cast<int>(p.a.head_dim);
     const auto ds_lanes = STile::a_trans_lanes(sds_addr, lane);
     const auto k_lanes = KTile::b_trans_lanes(sk_addr, lane);
-    // Two accumulator sets, for even and odd k-steps: twice the independent products in flight,
-    // since each chain waits for the previous product's result. Wide dQ tiles (head dim 256)
-    // already have enough, and no registers to spare.
-    constexpr int kChains = kDqDim <= 64 ? 2 : 1;
-    static_assert((kBlockN / 16) % kChains == 0, "k-steps split evenly over the chains");
-    float dq[kChains][kDqDim / 8][4] = {};
+    float dq[kDqMT][kDqDim / 8][4] = {};
 #pragma unroll
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
-      uint32_t sa[4];
-      ldmatrix_x4_trans(sa, ds_lanes.at(ks * 16, mt * 16));
+      uint32_t sa[kDqMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kDqMT; ++mt) ldmatrix_x4_trans(sa[mt], ds_lanes.at(ks * 16, m0 + mt * 16));
 #pragma unroll
       for (int dp = 0; dp < kDqDim / 16; ++dp) {
         uint32_t kb[4];
-        ldmatrix_x4_trans(kb, k_lanes.at(ks * 16, col0 + dp * 16));
-        Mma<T>::run(dq[ks % kChains][2 * dp], sa, kb[0], kb[1]);
-        Mma<T>::run(dq[ks % kChains][2 * dp + 1], sa, kb[2], kb[3]);
+        ldmatrix_x4_trans(kb, k_lanes.at(ks * 16, c0 + dp * 16));
+#pragma unroll
+        for (int mt = 0; mt < kDqMT; ++mt) {
+          Mma<T>::run(dq[mt][2 * dp], sa[mt], kb[0], kb[1]);
+          Mma<T>::run(dq[mt][2 * dp + 1], sa[mt], kb[2], kb[3]);
+        }
       }
     }
 #pragma unroll
-    for (int c = 1; c < kChains; ++c)
+    for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
-      for (int dt = 0; dt < kDqDim / 8; ++dt)
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + mt * 16 + lane / 4 + half * 8;
+        if (r >= rows) continue;
+        float* dst = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + r) * p.dq_accum_row_stride +
+                     h * p.dq_accum_head_stride + c0 + (lane % 4) * 2;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) dq[0][dt][i] += dq[c][dt][i];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = mt * 16 + lane / 4 + half * 8;
-      if (r >= rows) continue;
-      float* dst = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + r) * p.dq_accum_row_stride +
-                   h * p.dq_accum_head_stride + col0 + (lane % 4) * 2;
-#pragma unroll
-      for (int dt = 0; dt < kDqDim / 8; ++dt) {
-        if (col0 + dt * 8 >= p.a.head_dim) break;
-        add_pair(dst + dt * 8, dq[0][dt][2 * half], dq[0][dt][2 * half + 1]);
+        for (int dt = 0; dt < kDqDim / 8; ++dt)
+          if (c0 + dt * 8 < head_dim) add_pair(dst + dt * 8, dq[mt][dt][2 * half], dq[mt][dt][2 * half + 1]);
       }
-    }
   }
 
-  // Writes (or, in accumulate mode, adds) this warp's rows of dK and dV; dK, dV are zero for
-  // keys that no query sees.
+  // Writes (or, in accumulate mode, adds) this warp's part of dK and dV; dK, dV are zero for keys
+  // that no query sees.
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
-                                                    int part0, const float (&dk)[kDT][4], const float (&dv)[kDT][4],
-                                                    int lane, int key_row0) {
+                                                    int col0, const float (&dk)[2][kDT][4],
+                                                    const float (&dv)[2][kDT][4], int lane, int key0) {
     const core::AttentionArgs& a = p.a;
+    const int head_dim = static_cast<int>(a.head_dim);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = key_row0 + lane / 4 + half * 8;
-      if (key >= valid_n) continue;
-      const int64_t row = row0 + key;
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        if (part0 + dt * 8 >= a.head_dim) break;
-        const int col = part0 + dt * 8 + (lane % 4) * 2;
-        store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[dt][2 * half], dk[dt][2 * half + 1]);
-        store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[dt][2 * half], dv[dt][2 * half + 1]);
+      for (int half = 0; half < 2; ++half) {
+        const int key = key0 + mt * 16 + lane / 4 + half * 8;
+        if (key >= valid_n) continue;
+        const int64_t row = row0 + key;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          if (col0 + dt * 8 >= head_dim) break;
+          const int col = col0 + dt * 8 + (lane % 4) * 2;
+          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half], dk[mt][dt][2 * half + 1]);
+          store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1]);
+        }
       }
-    }
   }
 };
 
@@ -389,7 +431,7 @@ struct DqPass {
     const core::Sequence seq = core::sequence(a, b);
     const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBlockM;
     if (q0 >= seq.len_q) return;
-    const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
+    const int rows = tile_rows(seq.len_q, q0, kBlockM);
     const int lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
     const auto q_lanes = QTile::a_lanes(smem_address(sq), lane);
     const auto do_lanes = QTile::a_lanes(smem_address(sdo), lane);
@@ -405,10 +447,7 @@ struct DqPass {
     const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
     const T* k = row_ptr<const T>(a.k, b, seq.row_k, hk);
     const T* v = row_ptr<const T>(a.v, b, seq.row_k, hk);
-    const auto valid_keys = [&](int64_t n) {
-      const int64_t left = seq.len_k - n * kBlockN;
-      return static_cast<int>(left < kBlockN ? left : kBlockN);
-    };
+    const auto valid_keys = [&](int64_t n) { return tile_rows(seq.len_k, n * kBlockN, kBlockN); };
     const auto load_keys = [&](int64_t n) {
       KTile::template load<kThreads>(sk, k + n * kBlockN * a.k.row_stride, a.k.row_stride, valid_keys(n), a.head_dim);
       KTile::template load<kThreads>(sv, v + n * kBlockN * a.v.row_stride, a.v.row_stride, valid_keys(n), a.head_dim);
@@ -426,7 +465,7 @@ struct DqPass {
       const int r = row0 + lane / 4 + half * 8;
       const int64_t row = seq.row_q + q0 + r;
       lse2[half] = r < rows ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
-      dsum[half] = r < rows ? p.dsum[b * p.dsum_batch_stride + h * p.dsum_head_stride + row] : 0.0f;
+      dsum[half] = r < rows ? p.dsum[p.dsum_index(b, h, row)] : 0.0f;
     }
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = a.alibi_slopes != nullptr;
@@ -451,19 +490,15 @@ struct DqPass {
           Mma<T>::run(dp[2 * np + 1], oa, vb[2], vb[3]);
         }
       }
-      const int valid_n = valid_keys(n);
-      const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0, d0 = pk0 - pq0;
-      const bool partial = valid_n < kBlockN || rows < kBlockM ||
-                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+      const TileMask tile(mask, seq.pos_k + n * kBlockN - (seq.pos_q + q0), rows, valid_keys(n));
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int r = row0 + lane / 4 + (i / 2) * 8, col = nt * 8 + (lane % 4) * 2 + i % 2;
-          const int64_t d = d0 + col - r;
-          const bool visible = !partial || (col < valid_n && r < rows && d >= -mask.left && d <= mask.right);
+          const bool visible = tile.visible(r, col);
           float pv, ds;
-          f.gradient(s[nt][i], dp[nt][i], lse2[i / 2], dsum[i / 2], alibi, d, &pv, &ds);
+          f.gradient(s[nt][i], dp[nt][i], lse2[i / 2], dsum[i / 2], alibi, tile.distance(r, col), &pv, &ds);
           s[nt][i] = visible ? ds : 0.0f;
         }
       // dQ += dS K.

@@ -88,8 +88,9 @@ int device_of(const void* p) {
   return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device : -1;
 }
 
-// Why the kernels cannot run this case ("" when they can), and which kernels run it otherwise.
-std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen) {
+// Why the kernels cannot run this case ("" when they can); otherwise the kernels that run it and
+// the device that q lives on (-1 when q is empty).
+std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* device_out) {
   if (!is_available()) return "no CUDA device is present";
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16)
     return "the CUDA kernels take float16 or bfloat16 inputs";
@@ -101,8 +102,8 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen) {
     return str_cat("head_dim ", a.head_dim, " needs the head-dim ", instance_head_dim(a.head_dim),
                    " CUDA kernels, which this build leaves out (built: ", built_head_dims(), ")");
   if (backward && !k.backward) return "this build has no CUDA backward kernels (RINGFLASH_DISABLE_BACKWARD)";
-  const int device = device_of(a.q.data);
-  if (a.q.data && device >= 0) {
+  const int device = a.q.data ? device_of(a.q.data) : -1;
+  if (device >= 0) {
     int major = 0;
     RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     if (major < 8) return str_cat("the CUDA kernels need compute capability 8.0 or newer, device ", device, " has ", major, ".x");
@@ -115,13 +116,13 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen) {
     if (o->data && !aligned(*o, in_bytes))
       return str_cat(name, " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
   *chosen = k;
+  *device_out = device;
   return "";
 }
 
 struct DeviceGuard {
   int previous = -1;
-  explicit DeviceGuard(const void* p) {
-    const int device = device_of(p);
+  explicit DeviceGuard(int device) {
     if (device < 0) return;
     RINGFLASH_CUDA_CHECK(cudaGetDevice(&previous));
     if (previous == device) previous = -1;
@@ -143,7 +144,6 @@ Params make_params(const AttentionArgs& a) {
   p.qk_scale = softcap ? a.scale / a.softcap : a.scale * kLog2e;
   p.softcap_log2 = softcap ? a.softcap * kLog2e : 0.0f;
   p.softmax_scale = a.scale;
-  p.deterministic = a.deterministic;
   return p;
 }
 
@@ -171,27 +171,30 @@ std::string describe() {
 
 std::string unsupported_reason(const AttentionArgs& args) {
   Kernels k;
-  return choose(args, false, &k);
+  int device;
+  return choose(args, false, &k, &device);
 }
 
 void attention_forward(const AttentionArgs& args) {
   Kernels k;
-  const std::string reason = choose(args, false, &k);
+  int device;
+  const std::string reason = choose(args, false, &k, &device);
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_forward] ", reason);
   check_aligned("attention_forward", {{&args.out, "out"}}, args.out_dtype);
-  DeviceGuard guard(args.q.data);
+  DeviceGuard guard(device);
   const Params p = make_params(args);
   k.forward(p, static_cast<cudaStream_t>(args.stream));
 }
 
 void attention_backward(const AttentionArgs& args) {
   Kernels k;
-  const std::string reason = choose(args, true, &k);
+  int device;
+  const std::string reason = choose(args, true, &k, &device);
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_backward] ", reason);
   check_aligned("attention_backward", {{&args.out, "out"}}, args.out_dtype);
   check_aligned("attention_backward", {{&args.dout, "dout"}}, args.dtype);
   check_aligned("attention_backward", {{&args.dq, "dq"}, {&args.dk, "dk"}, {&args.dv, "dv"}}, args.grad_dtype);
-  DeviceGuard guard(args.q.data);
+  DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(args.stream);
   Params p = make_params(args);
 
@@ -202,7 +205,6 @@ void attention_backward(const AttentionArgs& args) {
   // dq_accum follows dsum at a 128-byte boundary: the conversion pass reads it in 16-byte vectors.
   constexpr int64_t kAlignFloats = 32;
   const int64_t dsum_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
-  p.dq_in_place = args.accumulate && !args.deterministic;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
   const int64_t dq_elements = dq_buffer ? dsum_elements * args.head_dim : 0;
   void* workspace = nullptr;
@@ -216,7 +218,7 @@ void attention_backward(const AttentionArgs& args) {
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;
     p.dq_accum_row_stride = args.heads_q * args.head_dim;
     p.dq_accum_head_stride = args.head_dim;
-  } else if (p.dq_in_place) {
+  } else if (p.dq_in_place()) {
     p.dq_accum = static_cast<float*>(args.dq.data);
     p.dq_accum_batch_stride = args.dq.batch_stride;
     p.dq_accum_row_stride = args.dq.row_stride;

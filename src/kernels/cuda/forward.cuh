@@ -40,24 +40,6 @@ __device__ __forceinline__ void key_tiles(const core::Mask& mask, const core::Se
   *end = last > first ? (last - s.pos_k + kBlockN - 1) / kBlockN : *begin;
 }
 
-// The mask of one tile as int32 bounds on (column - row): element (row, col) of a tile whose
-// (row 0, col 0) has pk - pq = d0 is visible iff lo <= col - row <= hi and col < valid_n.
-struct TileMask {
-  int lo, hi, valid_n;
-  float d0;  // for ALiBi
-
-  __device__ __forceinline__ TileMask(const core::Mask& mask, int64_t d0, int valid_n)
-      : lo(clamp(-mask.left - d0)), hi(clamp(mask.right - d0)), valid_n(valid_n), d0(static_cast<float>(d0)) {}
-  __device__ __forceinline__ bool visible(int row, int col) const {
-    const int d = col - row;
-    return col < valid_n && d >= lo && d <= hi;
-  }
-  static __device__ __forceinline__ int clamp(int64_t x) {
-    constexpr int64_t kLimit = 1 << 30;  // beyond any tile offset
-    return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
-  }
-};
-
 // Scores of one key tile, for the rows a warp owns: scale, softcap, ALiBi, then the mask where
 // the tile is only partly visible (or runs past the sequence's last key). Element (mt, nt, i) is
 // row row0 + 16 mt + lane / 4 + 8 (i / 2) and column 8 nt + 2 (lane % 4) + i % 2.
@@ -73,7 +55,7 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
         const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
         const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
         float x = f(s[mt][nt][i]);
-        if (alibi) x -= f.alibi_log2 * fabsf(tile.d0 + static_cast<float>(col - row));
+        if (alibi) x = f.alibi(x, tile.distance(row, col));
         if (partial && !tile.visible(row, col)) x = -INFINITY;
         s[mt][nt][i] = x;
       }
@@ -106,7 +88,7 @@ struct Forward {
     // blocks start early and the short ones fill the tail.
     const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
     if (q0 >= seq.len_q) return;
-    const int rows = static_cast<int>(seq.len_q - q0 < kBlockM ? seq.len_q - q0 : kBlockM);
+    const int rows = tile_rows(seq.len_q, q0, kBlockM);
     const int lane = threadIdx.x % 32, warp_row0 = threadIdx.x / 32 * kMT * 16;
     const auto q_lanes = QTile::a_lanes(smem_address(sq), lane);
     const auto k_lanes = KTile::b_lanes(smem_address(sk), lane);
@@ -120,10 +102,7 @@ struct Forward {
     const int64_t hk = h / p.group;
     const T* k = row_ptr<const T>(a.k, b, seq.row_k, hk);
     const T* v = row_ptr<const T>(a.v, b, seq.row_k, hk);
-    const auto valid_keys = [&](int64_t n) {
-      const int64_t left = seq.len_k - n * kBlockN;
-      return static_cast<int>(left < kBlockN ? left : kBlockN);
-    };
+    const auto valid_keys = [&](int64_t n) { return tile_rows(seq.len_k, n * kBlockN, kBlockN); };
 
     if (n_begin < n_end) {
       QTile::template load<kThreads>(sq, q, a.q.row_stride, rows, a.head_dim);
@@ -171,7 +150,7 @@ struct Forward {
       // Plain scores (no softcap, ALiBi or mask, positive scale) stay raw: the scale goes into the
       // exponent, exp2(s * scale - max * scale), one fused multiply-add per element.
       const bool raw = !partial && !alibi && plain;
-      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, valid_n), warp_row0, lane);
+      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
       const float scale = raw ? p.qk_scale : 1.0f;
 
       // Online softmax. A row that has seen no key yet keeps max -inf; exponents are then taken

@@ -67,18 +67,19 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 
-  if (row_heads > 0 && p.deterministic) {
+  if (row_heads > 0 && p.a.deterministic) {
     const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(a.heads_q),
                        static_cast<unsigned>(a.batch));
     allow_smem(dq_kernel<T, kHeadDim>, D::kSmemBytes);
     dq_kernel<T, kHeadDim><<<dq_grid, D::kThreads, D::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
-  } else if (row_heads > 0 && !p.dq_in_place) {
+    // The conversion pass writes every row; this one only the rows of a sequence.
+    clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  } else if (row_heads > 0 && !p.dq_in_place()) {
     convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (a.head_dim / 8), kThreads), kThreads, 0, stream>>>(
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
-  clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
   clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
   clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
 }

@@ -13,6 +13,29 @@ namespace ringflash::cuda {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The mask of one tile as int32 bounds on (column - row): element (row, col) of a tile whose
+// element (0, 0) has pk - pq = d0 is visible iff lo <= col - row <= hi, row < rows and col < cols.
+// Branch-free, and exact for tiles the mask leaves whole too (their bounds cover every offset).
+struct TileMask {
+  int lo, hi, rows, cols;
+  float d0;  // for ALiBi
+
+  __device__ __forceinline__ TileMask(const core::Mask& mask, int64_t d0, int rows, int cols)
+      : lo(clamp(-mask.left - d0)), hi(clamp(mask.right - d0)), rows(rows), cols(cols), d0(static_cast<float>(d0)) {}
+  __device__ __forceinline__ bool visible(int row, int col) const {
+    const int d = col - row;
+    return (row < rows) & (col < cols) & (d >= lo) & (d <= hi);
+  }
+  // |pk - pq| of an element, for ALiBi.
+  __device__ __forceinline__ float distance(int row, int col) const {
+    return fabsf(d0 + static_cast<float>(col - row));
+  }
+  static __device__ __forceinline__ int clamp(int64_t x) {
+    constexpr int64_t kLimit = 1 << 30;  // beyond any offset inside a tile
+    return static_cast<int>(x < -kLimit ? -kLimit : x > kLimit ? kLimit : x);
+  }
+};
+
 // tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): two special-function instructions instead of tanhf's
 // long sequence (which, unrolled over a tile, filled the instruction cache). Absolute error about
 // 1e-7; the exponent is capped where tanh is 1 in fp32 anyway.
@@ -22,18 +45,16 @@ __device__ __forceinline__ float tanh_exp2(float x) {
   return 1.0f - __fdividef(2.0f, e + 1.0f);
 }
 
-// The score of one element in log2 units and, for the backward, its derivative. `d` is pk - pq.
+// The score of one element in log2 units and, for the backward, its derivative.
 struct ScoreTransform {
   float qk_scale, softcap_log2, alibi_log2, softmax_scale;
 
   __device__ __forceinline__ float operator()(float qk) const {
     return softcap_log2 != 0.0f ? softcap_log2 * tanh_exp2(qk * qk_scale) : qk * qk_scale;
   }
-  __device__ __forceinline__ float alibi(float s2, int64_t d) const {
-    return s2 - alibi_log2 * static_cast<float>(d < 0 ? -d : d);
-  }
+  __device__ __forceinline__ float alibi(float s2, float distance) const { return s2 - alibi_log2 * distance; }
   // p = exp2(s2 - lse2) and dS = p (dp - dsum) d(score)/d(qk) for one visible element.
-  __device__ __forceinline__ void gradient(float qk, float dp, float lse2, float dsum, bool alibi, int64_t d,
+  __device__ __forceinline__ void gradient(float qk, float dp, float lse2, float dsum, bool alibi, float distance,
                                            float* p, float* ds) const {
     float s2, slope = softmax_scale;
     if (softcap_log2 != 0.0f) {
@@ -43,11 +64,16 @@ struct ScoreTransform {
     } else {
       s2 = qk * qk_scale;
     }
-    if (alibi) s2 = this->alibi(s2, d);
+    if (alibi) s2 = this->alibi(s2, distance);
     *p = exp2_ftz(s2 - lse2);
     *ds = *p * (dp - dsum) * slope;
   }
 };
+
+// Rows of the tile that starts at row `start` of a sequence of `len` rows.
+__device__ __forceinline__ int tile_rows(int64_t len, int64_t start, int block) {
+  return static_cast<int>(len - start < block ? len - start : block);
+}
 
 // Element (b, row, h, 0) of an operand; `row` counts from the start of the (packed) tensor.
 template <typename T>
@@ -73,8 +99,6 @@ struct Params {
   int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
   float* dsum = nullptr;
   int64_t dsum_batch_stride = 0, dsum_head_stride = 0;
-  bool dq_in_place = false;  // dq_accum is dq: no conversion pass
-  bool deterministic = false;
 
   __host__ __device__ core::Mask mask() const { return {a.window_left, a.window_right}; }
   __device__ ScoreTransform score_transform(int64_t b, int64_t h) const {
@@ -84,6 +108,11 @@ struct Params {
   __host__ __device__ int64_t lse_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
     return b * a.lse_batch_stride + h * a.lse_head_stride + row_in_tensor;
   }
+  __host__ __device__ int64_t dsum_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
+    return b * dsum_batch_stride + h * dsum_head_stride + row_in_tensor;
+  }
+  // dQ is added straight into the caller's fp32 dq: no accumulator and no conversion pass.
+  __host__ __device__ bool dq_in_place() const { return a.accumulate && !a.deterministic; }
 };
 
 }  // namespace ringflash::cuda
