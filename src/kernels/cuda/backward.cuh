@@ -1,6 +1,6 @@
 // The backward kernels.
 //
-//   dot_do_o   dsum = rowsum(dout * out), once per query row.
+//   dot_do_o   dsum = rowsum(dout * out) and the lse in log2 units, once per query row.
 //   Backward   one thread block per (key tile, k/v head, sequence): K and V stay in shared memory,
 //              and the block walks every query tile that sees its keys, for every q head of its
 //              group, so dK and dV are summed in registers and written once (GQA needs no
@@ -18,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../common/sequence.h"
 #include "config.h"
@@ -26,6 +27,36 @@
 #include "tile.h"
 
 namespace ringflash::cuda {
+
+// lse in log2 units for P = exp2(s2 - lse2): +inf for rows that see nothing, so that their P is
+// 0 rather than NaN.
+__device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
+// p and dS (short of the softmax scale) of one element of a tile, in place of its q.k and dp;
+// 0 where the mask hides the element when kMasked.
+template <bool kMasked, bool kPlain>
+__device__ __forceinline__ void element_gradient(const ScoreTransform& f, const TileMask& tile, bool alibi, int query,
+                                                 int key, float lse2, float dsum, float& s, float& dp) {
+  float pv, ds;
+  f.gradient<kPlain>(s, dp, lse2, dsum, alibi, kPlain ? 0.0f : tile.distance(query, key), &pv, &ds);
+  const bool visible = !kMasked || tile.visible(query, key);
+  s = visible ? pv : 0.0f;
+  dp = visible ? ds : 0.0f;
+}
+
+// Calls body(std::integral_constant<bool, kMasked>, std::integral_constant<bool, kPlain>) with the
+// constants of this tile, so that whole tiles and plain scores take their own unrolled code.
+template <typename Body>
+__device__ __forceinline__ void with_tile_kind(bool masked, bool plain, Body&& body) {
+  using std::integral_constant;
+  if (masked) {
+    if (plain) body(integral_constant<bool, true>(), integral_constant<bool, true>());
+    else body(integral_constant<bool, true>(), integral_constant<bool, false>());
+  } else {
+    if (plain) body(integral_constant<bool, false>(), integral_constant<bool, true>());
+    else body(integral_constant<bool, false>(), integral_constant<bool, false>());
+  }
+}
 
 // Thread i of the grid: query row i / heads of the tensor (over every sequence of a padded batch),
 // head i % heads.
@@ -41,7 +72,8 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
   float sum = 0.0f;
 #pragma unroll 8
   for (int d = 0; d < a.head_dim; ++d) sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]);
-  p.dsum[p.dsum_index(b, h, row)] = sum;
+  p.dsum[p.stat_index(b, h, row)] = sum;
+  p.lse2[p.stat_index(b, h, row)] = lse_log2(a.lse[p.lse_index(b, h, row)]);
 }
 
 template <typename T, int kHeadDim>
@@ -105,10 +137,6 @@ __device__ __forceinline__ void store_grad_pair(const core::AttentionArgs& a, co
     *g = make_float2(old.x + x, old.y + y);
   }
 }
-
-// lse in log2 units for P = exp2(s2 - lse2): +inf for rows that see nothing or lie past the
-// sequence, so that their P is 0 rather than NaN.
-__device__ __forceinline__ float lse_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
 template <typename T, int kHeadDim>
 struct Backward {
@@ -190,12 +218,12 @@ struct Backward {
       const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
       QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows, a.head_dim);
       QTile::template load<kThreads>(sdo + stage * QTile::kElements, dout, a.dout.row_stride, rows, a.head_dim);
-      // Rows past the sequence get lse2 = +inf and dsum = 0, so their P and dS are 0.
-      for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
-        const int64_t row = seq.row_q + q0 + r;
+      // lse2, then dsum; rows past the sequence read as 0 and the tile's mask hides them.
+      for (int i = threadIdx.x; i < 2 * kBlockM; i += kThreads) {
+        const int r = i % kBlockM;
         const bool valid = r < rows;
-        srow[stage * 2 * kBlockM + r] = valid ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
-        srow[stage * 2 * kBlockM + kBlockM + r] = valid ? p.dsum[p.dsum_index(b, h, row)] : 0.0f;
+        const float* src = (i < kBlockM ? p.lse2 : p.dsum) + p.stat_index(b, h, seq.row_q + q0 + (valid ? r : 0));
+        cp_async_4(smem_address(srow + stage * 2 * kBlockM + i), src, valid);
       }
     };
 
@@ -254,21 +282,19 @@ struct Backward {
       const ScoreTransform f = p.score_transform(b, h);
       const bool alibi = a.alibi_slopes != nullptr;
       const TileMask tile(mask, pk0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
+      with_tile_kind(!tile.whole(kBlockM, kBlockN), !alibi && f.softcap_log2 == 0.0f, [&](auto masked, auto plain) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int qt = 0; qt < kQT; ++qt)
+          for (int qt = 0; qt < kQT; ++qt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
-            const int query = query0 + qt * 8 + (lane % 4) * 2 + i % 2;
-            const bool visible = tile.visible(query, key);
-            float pv, ds;
-            f.gradient(st[mt][qt][i], dpt[mt][qt][i], lse2[query], dsum[query], alibi, tile.distance(query, key), &pv,
-                       &ds);
-            st[mt][qt][i] = visible ? pv : 0.0f;
-            dpt[mt][qt][i] = visible ? ds : 0.0f;
-          }
+            for (int i = 0; i < 4; ++i) {
+              const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
+              const int query = query0 + qt * 8 + (lane % 4) * 2 + i % 2;
+              element_gradient<decltype(masked)::value, decltype(plain)::value>(
+                  f, tile, alibi, query, key, lse2[query], dsum[query], st[mt][qt][i], dpt[mt][qt][i]);
+            }
+      });
       Fragments own[kQS];
 #pragma unroll
       for (int qs = 0; qs < kQS; ++qs)
@@ -345,6 +371,7 @@ struct Backward {
                                                        int warp) {
     const int m0 = warp % 2 * (kBlockM / 2), c0 = part0 + warp / 2 * kDqDim;
     const int head_dim = static_cast<int>(p.a.head_dim);
+    const float scale = p.softmax_scale;
     const auto ds_lanes = STile::a_trans_lanes(sds_addr, lane);
     const auto k_lanes = KTile::b_trans_lanes(sk_addr, lane);
     float dq[kDqMT][kDqDim / 8][4] = {};
@@ -374,7 +401,8 @@ struct Backward {
                      h * p.dq_accum_head_stride + c0 + (lane % 4) * 2;
 #pragma unroll
         for (int dt = 0; dt < kDqDim / 8; ++dt)
-          if (c0 + dt * 8 < head_dim) add_pair(dst + dt * 8, dq[mt][dt][2 * half], dq[mt][dt][2 * half + 1]);
+          if (c0 + dt * 8 < head_dim)
+            add_pair(dst + dt * 8, dq[mt][dt][2 * half] * scale, dq[mt][dt][2 * half + 1] * scale);
       }
   }
 
@@ -385,6 +413,7 @@ struct Backward {
                                                     const float (&dv)[2][kDT][4], int lane, int key0) {
     const core::AttentionArgs& a = p.a;
     const int head_dim = static_cast<int>(a.head_dim);
+    const float scale = p.softmax_scale;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -396,7 +425,7 @@ struct Backward {
         for (int dt = 0; dt < kDT; ++dt) {
           if (col0 + dt * 8 >= head_dim) break;
           const int col = col0 + dt * 8 + (lane % 4) * 2;
-          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half], dk[mt][dt][2 * half + 1]);
+          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale);
           store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1]);
         }
       }
@@ -464,8 +493,8 @@ struct DqPass {
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + lane / 4 + half * 8;
       const int64_t row = seq.row_q + q0 + r;
-      lse2[half] = r < rows ? lse_log2(a.lse[p.lse_index(b, h, row)]) : INFINITY;
-      dsum[half] = r < rows ? p.dsum[p.dsum_index(b, h, row)] : 0.0f;
+      lse2[half] = r < rows ? p.lse2[p.stat_index(b, h, row)] : 0.0f;  // the mask hides rows past the end
+      dsum[half] = r < rows ? p.dsum[p.stat_index(b, h, row)] : 0.0f;
     }
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = a.alibi_slopes != nullptr;
@@ -491,21 +520,21 @@ struct DqPass {
         }
       }
       const TileMask tile(mask, seq.pos_k + n * kBlockN - (seq.pos_q + q0), rows, valid_keys(n));
+      with_tile_kind(!tile.whole(kBlockM, kBlockN), !alibi && f.softcap_log2 == 0.0f, [&](auto masked, auto plain) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = row0 + lane / 4 + (i / 2) * 8, col = nt * 8 + (lane % 4) * 2 + i % 2;
-          const bool visible = tile.visible(r, col);
-          float pv, ds;
-          f.gradient(s[nt][i], dp[nt][i], lse2[i / 2], dsum[i / 2], alibi, tile.distance(r, col), &pv, &ds);
-          s[nt][i] = visible ? ds : 0.0f;
-        }
-      // dQ += dS K.
+          for (int i = 0; i < 4; ++i) {
+            const int r = row0 + lane / 4 + (i / 2) * 8, col = nt * 8 + (lane % 4) * 2 + i % 2;
+            element_gradient<decltype(masked)::value, decltype(plain)::value>(f, tile, alibi, r, col, lse2[i / 2],
+                                                                               dsum[i / 2], s[nt][i], dp[nt][i]);
+          }
+      });
+      // dQ += dS K (dS is in dp).
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
         uint32_t sa[4];
-        accumulators_to_a<T>(sa, s[2 * ks], s[2 * ks + 1]);
+        accumulators_to_a<T>(sa, dp[2 * ks], dp[2 * ks + 1]);
 #pragma unroll
         for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
           uint32_t kb[4];
@@ -529,7 +558,8 @@ struct DqPass {
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         if (dt * 8 >= a.head_dim) break;
-        store_grad_pair<T>(a, a.dq, b, row, h, dt * 8 + (lane % 4) * 2, dq[dt][2 * half], dq[dt][2 * half + 1]);
+        store_grad_pair<T>(a, a.dq, b, row, h, dt * 8 + (lane % 4) * 2, dq[dt][2 * half] * p.softmax_scale,
+                           dq[dt][2 * half + 1] * p.softmax_scale);
       }
     }
   }

@@ -198,23 +198,25 @@ void attention_backward(const AttentionArgs& args) {
   const auto stream = static_cast<cudaStream_t>(args.stream);
   Params p = make_params(args);
 
-  // Workspace: dsum (rows x heads) and, unless dq itself is fp32 or dQ is computed per query
-  // tile, the fp32 dq accumulator (rows x heads x head_dim). Stream-ordered, so graph capture works.
+  // Workspace: dsum and lse2 (rows x heads each) and, unless dq itself is fp32 or dQ is computed
+  // per query tile, the fp32 dq accumulator (rows x heads x head_dim). Stream-ordered, so graph
+  // capture works.
   const bool packed = args.cu_seqlens_q != nullptr;
   const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
-  // dq_accum follows dsum at a 128-byte boundary: the conversion pass reads it in 16-byte vectors.
+  // Each array starts at a 128-byte boundary: the conversion pass reads dq_accum in 16-byte vectors.
   constexpr int64_t kAlignFloats = 32;
-  const int64_t dsum_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
+  const int64_t stat_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
-  const int64_t dq_elements = dq_buffer ? dsum_elements * args.head_dim : 0;
+  const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
   void* workspace = nullptr;
-  const size_t workspace_bytes = (dsum_elements + dq_elements) * sizeof(float);
+  const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
   if (workspace_bytes > 0) RINGFLASH_CUDA_CHECK(cudaMallocAsync(&workspace, workspace_bytes, stream));
   p.dsum = static_cast<float*>(workspace);
-  p.dsum_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
-  p.dsum_head_stride = args.rows_q;
+  p.lse2 = p.dsum + stat_elements;
+  p.stat_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
+  p.stat_head_stride = args.rows_q;
   if (dq_buffer) {
-    p.dq_accum = p.dsum + dsum_elements;
+    p.dq_accum = p.lse2 + stat_elements;
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;
     p.dq_accum_row_stride = args.heads_q * args.head_dim;
     p.dq_accum_head_stride = args.head_dim;

@@ -26,6 +26,10 @@ struct TileMask {
     const int d = col - row;
     return (row < rows) & (col < cols) & (d >= lo) & (d <= hi);
   }
+  // Whether every element of a kRows x kCols tile is visible.
+  __device__ __forceinline__ bool whole(int max_rows, int max_cols) const {
+    return rows == max_rows && cols == max_cols && lo <= 1 - max_rows && hi >= max_cols - 1;
+  }
   // |pk - pq| of an element, for ALiBi.
   __device__ __forceinline__ float distance(int row, int col) const {
     return fabsf(d0 + static_cast<float>(col - row));
@@ -47,20 +51,28 @@ __device__ __forceinline__ float tanh_exp2(float x) {
 
 // The score of one element in log2 units and, for the backward, its derivative.
 struct ScoreTransform {
-  float qk_scale, softcap_log2, alibi_log2, softmax_scale;
+  float qk_scale, softcap_log2, alibi_log2;
 
   __device__ __forceinline__ float operator()(float qk) const {
     return softcap_log2 != 0.0f ? softcap_log2 * tanh_exp2(qk * qk_scale) : qk * qk_scale;
   }
   __device__ __forceinline__ float alibi(float s2, float distance) const { return s2 - alibi_log2 * distance; }
-  // p = exp2(s2 - lse2) and dS = p (dp - dsum) d(score)/d(qk) for one visible element.
+  // p = exp2(s2 - lse2) and dS = p (dp - dsum) d(score)/d(qk) for one visible element, with dS
+  // short of the softmax scale (a factor of every element, which the kernels apply to dQ and dK).
+  // kPlain: no softcap and no ALiBi.
+  template <bool kPlain>
   __device__ __forceinline__ void gradient(float qk, float dp, float lse2, float dsum, bool alibi, float distance,
                                            float* p, float* ds) const {
-    float s2, slope = softmax_scale;
+    if (kPlain) {
+      *p = exp2_ftz(fmaf(qk, qk_scale, -lse2));
+      *ds = *p * (dp - dsum);
+      return;
+    }
+    float s2, slope = 1.0f;
     if (softcap_log2 != 0.0f) {
       const float th = tanh_exp2(qk * qk_scale);
       s2 = softcap_log2 * th;
-      slope *= 1.0f - th * th;
+      slope = 1.0f - th * th;
     } else {
       s2 = qk * qk_scale;
     }
@@ -94,22 +106,24 @@ struct Params {
   float softmax_scale = 0.0f;
 
   // Backward. dq is accumulated in fp32 with atomics into dq_accum (which is dq itself when dq is
-  // fp32), laid out with the strides below; dsum(b, h, i) = rowsum(dout * out) is laid out like lse.
+  // fp32), laid out with the strides below. Per query row, at stat_index(b, h, row):
+  // dsum = rowsum(dout * out) and lse2, the lse in log2 units (+inf where it is -inf, so that P is 0).
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
   float* dsum = nullptr;
-  int64_t dsum_batch_stride = 0, dsum_head_stride = 0;
+  float* lse2 = nullptr;
+  int64_t stat_batch_stride = 0, stat_head_stride = 0;
 
   __host__ __device__ core::Mask mask() const { return {a.window_left, a.window_right}; }
   __device__ ScoreTransform score_transform(int64_t b, int64_t h) const {
     const float slope = a.alibi_slopes ? a.alibi_slopes[b * a.alibi_batch_stride + h] * kLog2e : 0.0f;
-    return {qk_scale, softcap_log2, slope, softmax_scale};
+    return {qk_scale, softcap_log2, slope};
   }
   __host__ __device__ int64_t lse_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
     return b * a.lse_batch_stride + h * a.lse_head_stride + row_in_tensor;
   }
-  __host__ __device__ int64_t dsum_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
-    return b * dsum_batch_stride + h * dsum_head_stride + row_in_tensor;
+  __host__ __device__ int64_t stat_index(int64_t b, int64_t h, int64_t row_in_tensor) const {
+    return b * stat_batch_stride + h * stat_head_stride + row_in_tensor;
   }
   // dQ is added straight into the caller's fp32 dq: no accumulator and no conversion pass.
   __host__ __device__ bool dq_in_place() const { return a.accumulate && !a.deterministic; }
