@@ -201,18 +201,20 @@ struct Backward {
     const int64_t pk0 = seq.pos_k + n0;
     int64_t first, last;
     mask.query_span(pk0, pk0 + valid_n, seq.pos_q, seq.pos_q + seq.len_q, &first, &last);
-    const int64_t m_begin = (first - seq.pos_q) / kBlockM;
-    const int64_t m_tiles = last > first ? (last - seq.pos_q + kBlockM - 1) / kBlockM - m_begin : 0;
-    const int64_t items = m_tiles * p.group;
+    const int m_begin = static_cast<int>((first - seq.pos_q) / kBlockM);
+    const int m_end = last > first ? static_cast<int>((last - seq.pos_q + kBlockM - 1) / kBlockM) : m_begin;
+    const int h_end = (hk + 1) * p.group;
 
     const T* k = row_ptr<const T>(a.k, b, seq.row_k + n0, hk);
     const T* v = row_ptr<const T>(a.v, b, seq.row_k + n0, hk);
-    // Item i: q head hk * group + i / m_tiles, query tile m_begin + i % m_tiles.
-    const auto item_head = [&](int64_t i) { return static_cast<int>(hk * p.group + i / m_tiles); };
-    const auto item_q0 = [&](int64_t i) { return (m_begin + i % m_tiles) * kBlockM; };
-    const auto load_item = [&](int64_t i, int stage) {
-      const int h = item_head(i);
-      const int64_t q0 = item_q0(i);
+    // The block's items: query tiles [m_begin, m_end) of each q head of the group in turn.
+    struct Item {
+      int h, m;  // q head, query tile
+    };
+    const auto next = [&](Item i) { return i.m + 1 < m_end ? Item{i.h, i.m + 1} : Item{i.h + 1, m_begin}; };
+    const auto load_item = [&](Item i, int stage) {
+      const int h = i.h;
+      const int64_t q0 = static_cast<int64_t>(i.m) * kBlockM;
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const T* q = row_ptr<const T>(a.q, b, seq.row_q + q0, h);
       const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
@@ -228,26 +230,28 @@ struct Backward {
     };
 
     float dk[2][kDT][4] = {}, dv[2][kDT][4] = {};
-    if (items > 0) {
+    Item item{hk * p.group, m_begin};
+    if (m_begin == m_end) item.h = h_end;  // no query sees these keys
+    if (item.h < h_end) {
       KTile::template load<kThreads>(sk, k, a.k.row_stride, valid_n, a.head_dim);
       KTile::template load<kThreads>(sv, v, a.v.row_stride, valid_n, a.head_dim);
-      load_item(0, 0);
+      load_item(item, 0);
       cp_async_commit();
     }
 
-    for (int64_t item = 0; item < items; ++item) {
-      const int stage = kStages == 2 ? static_cast<int>(item % 2) : 0;
+    for (int stage = 0; item.h < h_end; item = next(item), stage = kStages == 2 ? stage ^ 1 : 0) {
+      const Item following = next(item);
       cp_async_wait<0>();
       __syncthreads();  // this item's tiles have landed; every warp is done with the last P^T, dS^T
-      if (kStages == 2 && item + 1 < items) {
-        load_item(item + 1, 1 - stage);
+      if (kStages == 2 && following.h < h_end) {
+        load_item(following, stage ^ 1);
         cp_async_commit();
       }
       const uint32_t stage_bytes = stage * QTile::kElements * 2;
       const auto q_lanes = QTile::b_lanes(smem_address(sq) + stage_bytes, lane);
       const auto do_lanes = QTile::b_lanes(smem_address(sdo) + stage_bytes, lane);
-      const int h = item_head(item);
-      const int64_t q0 = item_q0(item);
+      const int h = item.h;
+      const int64_t q0 = static_cast<int64_t>(item.m) * kBlockM;
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const float* lse2 = srow + stage * 2 * kBlockM;
       const float* dsum = lse2 + kBlockM;
@@ -353,9 +357,9 @@ struct Backward {
         accumulate_kv(other, query);
       }
 
-      if (kStages == 1 && item + 1 < items) {
+      if (kStages == 1 && following.h < h_end) {
         __syncthreads();  // every warp is done with this item's q and dout
-        load_item(item + 1, 0);
+        load_item(following, 0);
         cp_async_commit();
       }
       if (!a.deterministic) accumulate_dq(p, b, h, seq.row_q + q0, rows, part0, smem_address(sds), smem_address(sk), lane, warp);
@@ -391,17 +395,21 @@ struct Backward {
         }
       }
     }
+    // One 64-bit address per tile, 32-bit offsets inside it (a tile's rows span far less than 2^31
+    // elements); whole column ranges skip the per-column check.
+    float* tile = p.dq_accum + b * p.dq_accum_batch_stride + row0 * p.dq_accum_row_stride +
+                  h * p.dq_accum_head_stride + c0 + (lane % 4) * 2;
+    const int row_stride = static_cast<int>(p.dq_accum_row_stride);
+    const bool all_columns = c0 + kDqDim <= head_dim;
 #pragma unroll
     for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = m0 + mt * 16 + lane / 4 + half * 8;
-        if (r >= rows) continue;
-        float* dst = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + r) * p.dq_accum_row_stride +
-                     h * p.dq_accum_head_stride + c0 + (lane % 4) * 2;
+        float* dst = tile + r * row_stride;
 #pragma unroll
         for (int dt = 0; dt < kDqDim / 8; ++dt)
-          if (c0 + dt * 8 < head_dim)
+          if (r < rows && (all_columns || c0 + dt * 8 < head_dim))
             add_pair(dst + dt * 8, dq[mt][dt][2 * half] * scale, dq[mt][dt][2 * half + 1] * scale);
       }
   }
