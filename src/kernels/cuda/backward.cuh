@@ -124,6 +124,25 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
 #endif
 }
 
+// Adds scale * c, a 16 x 8 accumulator fragment (lane (g, t) holds rows g and g + 8, columns 2t and
+// 2t + 1), to the fp32 tile at dst. On sm_90 lane pairs swap halves over a shuffle so that each
+// lane adds four consecutive floats in one reduction; every lane of the warp must take part.
+__device__ __forceinline__ void add_tile_16x8(float* dst, int row_stride, const float (&c)[4], float scale, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const bool odd = lane & 1;  // even lanes add row g, odd lanes row g + 8
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
+  const float4 v = odd ? make_float4(r0, r1, c[2], c[3]) : make_float4(c[0], c[1], r0, r1);
+  const int row = lane / 4 + (odd ? 8 : 0), col = (lane % 4) / 2 * 4;
+  atomicAdd(reinterpret_cast<float4*>(dst + row * row_stride + col),
+            make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale));
+#else
+  float* at = dst + (lane / 4) * row_stride + (lane % 4) * 2;
+  add_pair(at, c[0] * scale, c[1] * scale);
+  add_pair(at + 8 * row_stride, c[2] * scale, c[3] * scale);
+#endif
+}
+
 // Elements col, col + 1 of a gradient row: rounded to T, or added to the fp32 gradient in
 // accumulate mode.
 template <typename T>
@@ -308,24 +327,8 @@ struct Backward {
           accumulators_to_a<T>(own[qs].ds[mt], dpt[mt][2 * qs], dpt[mt][2 * qs + 1]);
         }
 
-      // P^T and dS^T to shared memory: the warp with the other query half needs them for dK and
-      // dV, every warp needs dS^T for dQ. Fragment register j holds key g + 8 (j % 2), queries
-      // 8 (j / 2) + 2 (lane % 4) and the next.
-#pragma unroll
-      for (int qs = 0; qs < kQS; ++qs)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int key = key0 + mt * 16 + lane / 4 + (j % 2) * 8;
-            const int query = query0 + qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(sp + STile::offset(key, query)) = own[qs].p[mt][j];
-            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, query)) = own[qs].ds[mt][j];
-          }
-      __syncthreads();  // P^T and dS^T are in shared memory
-
-      // dV += P^T dO and dK += dS^T Q: this warp's queries from registers, the others' from
-      // shared memory.
+      // dV += P^T dO and dK += dS^T Q. This warp's own queries first, from registers: that needs
+      // no other warp, so it overlaps the stores below and the wait for the slowest warp.
       const auto do_trans = QTile::b_trans_lanes(smem_address(sdo) + stage_bytes, lane);
       const auto q_trans = QTile::b_trans_lanes(smem_address(sq) + stage_bytes, lane);
       const auto accumulate_kv = [&](const Fragments& fr, int query) {
@@ -343,8 +346,26 @@ struct Backward {
           }
         }
       };
+
+      // P^T and dS^T to shared memory: the warp with the other query half needs them for dK and
+      // dV, every warp needs dS^T for dQ. Fragment register j holds key g + 8 (j % 2), queries
+      // 8 (j / 2) + 2 (lane % 4) and the next.
 #pragma unroll
-      for (int qs = 0; qs < kQS; ++qs) accumulate_kv(own[qs], query0 + qs * 16);
+      for (int qs = 0; qs < kQS; ++qs) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int key = key0 + mt * 16 + lane / 4 + (j % 2) * 8;
+            const int query = query0 + qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
+            *reinterpret_cast<uint32_t*>(sp + STile::offset(key, query)) = own[qs].p[mt][j];
+            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, query)) = own[qs].ds[mt][j];
+          }
+        accumulate_kv(own[qs], query0 + qs * 16);
+      }
+      __syncthreads();  // P^T and dS^T are in shared memory
+
+      // The other query half, from shared memory.
 #pragma unroll
       for (int qs = 0; qs < kQS; ++qs) {
         const int query = other_query0 + qs * 16;
@@ -396,20 +417,28 @@ struct Backward {
       }
     }
     // One 64-bit address per tile, 32-bit offsets inside it (a tile's rows span far less than 2^31
-    // elements); whole column ranges skip the per-column check.
+    // elements).
     float* tile = p.dq_accum + b * p.dq_accum_batch_stride + row0 * p.dq_accum_row_stride +
-                  h * p.dq_accum_head_stride + c0 + (lane % 4) * 2;
+                  h * p.dq_accum_head_stride + c0;
     const int row_stride = static_cast<int>(p.dq_accum_row_stride);
-    const bool all_columns = c0 + kDqDim <= head_dim;
+    if (rows == kBlockM && c0 + kDqDim <= head_dim) {
+#pragma unroll
+      for (int mt = 0; mt < kDqMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDqDim / 8; ++dt)
+          add_tile_16x8(tile + (m0 + mt * 16) * row_stride + dt * 8, row_stride, dq[mt][dt], scale, lane);
+      return;
+    }
+    // A tile that runs past the sequence or the head dim: element pairs, each checked.
 #pragma unroll
     for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = m0 + mt * 16 + lane / 4 + half * 8;
-        float* dst = tile + r * row_stride;
+        float* dst = tile + r * row_stride + (lane % 4) * 2;
 #pragma unroll
         for (int dt = 0; dt < kDqDim / 8; ++dt)
-          if (r < rows && (all_columns || c0 + dt * 8 < head_dim))
+          if (r < rows && c0 + dt * 8 < head_dim)
             add_pair(dst + dt * 8, dq[mt][dt][2 * half] * scale, dq[mt][dt][2 * half + 1] * scale);
       }
   }

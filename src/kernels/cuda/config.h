@@ -10,7 +10,7 @@ struct ForwardTiles {
 };
 
 constexpr ForwardTiles forward_tiles(int head_dim) {
-  return head_dim <= 64 ? ForwardTiles{128, 64, 4} : head_dim <= 128 ? ForwardTiles{128, 64, 4} : ForwardTiles{64, 64, 4};
+  return head_dim <= 64 ? ForwardTiles{128, 128, 4} : head_dim <= 128 ? ForwardTiles{128, 64, 4} : ForwardTiles{64, 64, 4};
 }
 
 struct BackwardTiles {

@@ -153,8 +153,13 @@ struct Forward {
       if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
       const float scale = raw ? p.qk_scale : 1.0f;
 
-      // Online softmax. A row that has seen no key yet keeps max -inf; exponents are then taken
-      // against 0 so that exp2(-inf - -inf) never makes a NaN.
+      // Online softmax. A warp skips the rescale of its output accumulators when none of its rows'
+      // max moved (late key tiles, mostly). A row that has seen no key yet keeps max -inf;
+      // exponents are then taken against 0 so that exp2(-inf - -inf) never makes a NaN. (A max
+      // allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
+      // longer exactly 1 once rounded to T.)
+      float correction[kMT][2];
+      bool moved = false;
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -162,9 +167,11 @@ struct Forward {
           float mx = -INFINITY;
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-          mx = fmaxf(row_max[mt][half], quad_max(mx) * scale);
+          const float old = row_max[mt][half];
+          mx = fmaxf(old, quad_max(mx) * scale);
           const float base = mx == -INFINITY ? 0.0f : mx;
-          const float correction = exp2_ftz(row_max[mt][half] - base);
+          correction[mt][half] = exp2_ftz(old - base);
+          moved |= mx != old;
           row_max[mt][half] = mx;
           float sum = 0.0f;
 #pragma unroll
@@ -174,13 +181,16 @@ struct Forward {
               s[mt][nt][i] = exp2_ftz(fmaf(s[mt][nt][i], scale, -base));
               sum += s[mt][nt][i];
             }
-          row_sum[mt][half] = row_sum[mt][half] * correction + sum;
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt) {
-            o[mt][dt][2 * half] *= correction;
-            o[mt][dt][2 * half + 1] *= correction;
-          }
+          row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
         }
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[mt][dt][i] *= correction[mt][i / 2];
+      }
 
       uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
