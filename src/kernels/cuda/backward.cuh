@@ -239,12 +239,15 @@ struct Backward {
       const T* dout = row_ptr<const T>(a.dout, b, seq.row_q + q0, h);
       QTile::template load<kThreads>(sq + stage * QTile::kElements, q, a.q.row_stride, rows, a.head_dim);
       QTile::template load<kThreads>(sdo + stage * QTile::kElements, dout, a.dout.row_stride, rows, a.head_dim);
-      // lse2, then dsum; rows past the sequence read as 0 and the tile's mask hides them.
-      for (int i = threadIdx.x; i < 2 * kBlockM; i += kThreads) {
-        const int r = i % kBlockM;
+      // Thread i < kBlockM copies lse2 of row i, the next kBlockM threads dsum; rows past the
+      // sequence read as 0 and the tile's mask hides them.
+      static_assert(kThreads >= 2 * kBlockM, "one row statistic per thread");
+      const int t = threadIdx.x;
+      if (t < 2 * kBlockM) {
+        const int r = t % kBlockM;
         const bool valid = r < rows;
-        const float* src = (i < kBlockM ? p.lse2 : p.dsum) + p.stat_index(b, h, seq.row_q + q0 + (valid ? r : 0));
-        cp_async_4(smem_address(srow + stage * 2 * kBlockM + i), src, valid);
+        const float* src = (t < kBlockM ? p.lse2 : p.dsum) + p.stat_index(b, h, seq.row_q + q0 + (valid ? r : 0));
+        cp_async_4(smem_address(srow + stage * 2 * kBlockM + t), src, valid);
       }
     };
 
