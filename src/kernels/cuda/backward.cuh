@@ -125,22 +125,12 @@ __device__ __forceinline__ void add_pair(float* dst, float x, float y) {
 }
 
 // Adds scale * c, a 16 x 8 accumulator fragment (lane (g, t) holds rows g and g + 8, columns 2t and
-// 2t + 1), to the fp32 tile at dst. On sm_90 lane pairs swap halves over a shuffle so that each
-// lane adds four consecutive floats in one reduction; every lane of the warp must take part.
+// 2t + 1), to the fp32 tile at dst. (Lane pairs that swap halves over a shuffle to add four floats
+// at once measured slower on an H100: the shuffles and selects cost more than the reductions.)
 __device__ __forceinline__ void add_tile_16x8(float* dst, int row_stride, const float (&c)[4], float scale, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const bool odd = lane & 1;  // even lanes add row g, odd lanes row g + 8
-  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? c[0] : c[2], 1);
-  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? c[1] : c[3], 1);
-  const float4 v = odd ? make_float4(r0, r1, c[2], c[3]) : make_float4(c[0], c[1], r0, r1);
-  const int row = lane / 4 + (odd ? 8 : 0), col = (lane % 4) / 2 * 4;
-  atomicAdd(reinterpret_cast<float4*>(dst + row * row_stride + col),
-            make_float4(v.x * scale, v.y * scale, v.z * scale, v.w * scale));
-#else
   float* at = dst + (lane / 4) * row_stride + (lane % 4) * 2;
   add_pair(at, c[0] * scale, c[1] * scale);
   add_pair(at + 8 * row_stride, c[2] * scale, c[3] * scale);
-#endif
 }
 
 // Elements col, col + 1 of a gradient row: rounded to T, or added to the fp32 gradient in
