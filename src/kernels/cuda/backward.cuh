@@ -341,19 +341,14 @@ struct Backward {
       };
 
       // P^T and dS^T to shared memory: the warp with the other query half needs them for dK and
-      // dV, every warp needs dS^T for dQ. Fragment register j holds key g + 8 (j % 2), queries
-      // 8 (j / 2) + 2 (lane % 4) and the next.
+      // dV, every warp needs dS^T for dQ.
 #pragma unroll
       for (int qs = 0; qs < kQS; ++qs) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int key = key0 + mt * 16 + lane / 4 + (j % 2) * 8;
-            const int query = query0 + qs * 16 + (j / 2) * 8 + (lane % 4) * 2;
-            *reinterpret_cast<uint32_t*>(sp + STile::offset(key, query)) = own[qs].p[mt][j];
-            *reinterpret_cast<uint32_t*>(sds + STile::offset(key, query)) = own[qs].ds[mt][j];
-          }
+        for (int mt = 0; mt < 2; ++mt) {
+          store_a<STile>(sp, key0 + mt * 16, query0 + qs * 16, own[qs].p[mt], lane);
+          store_a<STile>(sds, key0 + mt * 16, query0 + qs * 16, own[qs].ds[mt], lane);
+        }
         accumulate_kv(own[qs], query0 + qs * 16);
       }
       __syncthreads();  // P^T and dS^T are in shared memory

@@ -76,6 +76,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(address));
 }
 
+// The inverse of ldmatrix_x4 (sm_90): lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t address, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
 // 16 bytes from global to shared memory, bypassing L1; zero-filled when !valid (the source is
 // then not read, but must still be a valid address).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {

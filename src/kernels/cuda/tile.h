@@ -77,6 +77,22 @@ struct Tile {
   }
 };
 
+// Stores A fragment `a` (16 x 16 at (row0, col0); lane (g, t) holds rows g and g + 8, columns
+// 2t, 2t + 1, 2t + 8 and 2t + 9) into `tile` of type Tile, where Tile::a_lanes would load it from:
+// one stmatrix on sm_90, four 32-bit stores before.
+template <typename Tile, typename T>
+__device__ __forceinline__ void store_a(T* tile, int row0, int col0, const uint32_t (&a)[4], int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  stmatrix_x4(Tile::a_lanes(smem_address(tile), lane).at(row0, col0), a);
+#else
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int row = row0 + lane / 4 + (j % 2) * 8, col = col0 + (j / 2) * 8 + (lane % 4) * 2;
+    *reinterpret_cast<uint32_t*>(tile + Tile::offset(row, col)) = a[j];
+  }
+#endif
+}
+
 // C fragments of two adjacent n-tiles as the A fragment of the next product, rounded to T.
 template <typename T>
 __device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
