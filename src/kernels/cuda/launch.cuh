@@ -16,9 +16,16 @@ inline unsigned blocks_for(int64_t items, int64_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
-// Raises a kernel's dynamic shared-memory limit; cheap, and allowed during graph capture.
+// Raises a kernel's dynamic shared-memory limit; cheap, and allowed during graph capture. A device
+// with less shared memory per block than the kernel needs (sm_86/sm_89 have 99 KB) gets a
+// NotSupported naming both figures.
 template <typename Kernel>
-void allow_smem(Kernel kernel, int bytes) {
+void allow_smem(Kernel kernel, int bytes, const char* name, int head_dim) {
+  int device = 0, limit = 0;
+  RINGFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  RINGFLASH_CHECK(bytes <= limit, NotSupported, "[cuda] the ", name, " kernel for head dim ", head_dim, " needs ",
+                  bytes, " bytes of shared memory per block; device ", device, " allows ", limit);
   RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
@@ -36,7 +43,7 @@ void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
-  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes);
+  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "forward", kHeadDim);
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(p.a.heads_q),
                   static_cast<unsigned>(p.a.batch));
   if (grid.x > 0) {
@@ -62,7 +69,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(a.heads_kv),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
-    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes);
+    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "backward", kHeadDim);
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
@@ -70,7 +77,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   if (row_heads > 0 && p.a.deterministic) {
     const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(a.heads_q),
                        static_cast<unsigned>(a.batch));
-    allow_smem(dq_kernel<T, kHeadDim>, D::kSmemBytes);
+    allow_smem(dq_kernel<T, kHeadDim>, D::kSmemBytes, "deterministic dQ", kHeadDim);
     dq_kernel<T, kHeadDim><<<dq_grid, D::kThreads, D::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
     // The conversion pass writes every row; this one only the rows of a sequence.
