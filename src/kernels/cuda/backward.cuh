@@ -192,10 +192,11 @@ struct Backward {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int key0 = warp % kKeyWarps * 32, half = warp / kKeyWarps;
     const int query0 = half * kWarpQueries, other_query0 = (1 - half) * kWarpQueries;
+    // V follows K, dout follows q (kStages tiles on) and dS^T follows P^T in shared memory: each
+    // pair shares its lane addresses, the second a constant further on.
+    constexpr uint32_t kVOffset = KTile::kBytes, kDoutOffset = kStages * QTile::kBytes, kDsOffset = STile::kBytes;
     const auto k_lanes = KTile::a_lanes(smem_address(sk), lane);
-    const auto v_lanes = KTile::a_lanes(smem_address(sv), lane);
     const auto p_lanes = STile::a_lanes(smem_address(sp), lane);
-    const auto ds_lanes = STile::a_lanes(smem_address(sds), lane);
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.z;
     const int hk = blockIdx.y;
@@ -261,7 +262,6 @@ struct Backward {
       }
       const uint32_t stage_bytes = stage * QTile::kElements * 2;
       const auto q_lanes = QTile::b_lanes(smem_address(sq) + stage_bytes, lane);
-      const auto do_lanes = QTile::b_lanes(smem_address(sdo) + stage_bytes, lane);
       const int h = item.h;
       const int64_t q0 = static_cast<int64_t>(item.m) * kBlockM;
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
@@ -275,14 +275,14 @@ struct Backward {
         uint32_t qb[kQS][4], ob[kQS][4];
 #pragma unroll
         for (int qs = 0; qs < kQS; ++qs) {
-          ldmatrix_x4(qb[qs], q_lanes.at(query0 + qs * 16, ks * 16));
-          ldmatrix_x4(ob[qs], do_lanes.at(query0 + qs * 16, ks * 16));
+          ldmatrix_x4(qb[qs], q_lanes.at_column_first(query0 + qs * 16, ks * 16));
+          ldmatrix_x4(ob[qs], q_lanes.at_column_first(query0 + qs * 16, ks * 16) + kDoutOffset);
         }
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           uint32_t ka[4], va[4];
-          ldmatrix_x4(ka, k_lanes.at(key0 + mt * 16, ks * 16));
-          ldmatrix_x4(va, v_lanes.at(key0 + mt * 16, ks * 16));
+          ldmatrix_x4(ka, k_lanes.at_column_first(key0 + mt * 16, ks * 16));
+          ldmatrix_x4(va, k_lanes.at_column_first(key0 + mt * 16, ks * 16) + kVOffset);
 #pragma unroll
           for (int qs = 0; qs < kQS; ++qs) {
             Mma<T>::run(st[mt][2 * qs], ka, qb[qs][0], qb[qs][1]);
@@ -322,14 +322,13 @@ struct Backward {
 
       // dV += P^T dO and dK += dS^T Q. This warp's own queries first, from registers: that needs
       // no other warp, so it overlaps the stores below and the wait for the slowest warp.
-      const auto do_trans = QTile::b_trans_lanes(smem_address(sdo) + stage_bytes, lane);
       const auto q_trans = QTile::b_trans_lanes(smem_address(sq) + stage_bytes, lane);
       const auto accumulate_kv = [&](const Fragments& fr, int query) {
 #pragma unroll
         for (int dp = 0; dp < kDT / 2; ++dp) {
           uint32_t ob[4], qb[4];
-          ldmatrix_x4_trans(ob, do_trans.at(query, col0 + dp * 16));
-          ldmatrix_x4_trans(qb, q_trans.at(query, col0 + dp * 16));
+          ldmatrix_x4_trans(ob, q_trans.at_column_first(query, col0 + dp * 16) + kDoutOffset);
+          ldmatrix_x4_trans(qb, q_trans.at_column_first(query, col0 + dp * 16));
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             Mma<T>::run(dv[mt][2 * dp], fr.p[mt], ob[0], ob[1]);
@@ -360,8 +359,8 @@ struct Backward {
         Fragments other;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          ldmatrix_x4(other.p[mt], p_lanes.at(key0 + mt * 16, query));
-          ldmatrix_x4(other.ds[mt], ds_lanes.at(key0 + mt * 16, query));
+          ldmatrix_x4(other.p[mt], p_lanes.at_column_first(key0 + mt * 16, query));
+          ldmatrix_x4(other.ds[mt], p_lanes.at_column_first(key0 + mt * 16, query) + kDsOffset);
         }
         accumulate_kv(other, query);
       }
@@ -392,11 +391,11 @@ struct Backward {
     for (int ks = 0; ks < kBlockN / 16; ++ks) {
       uint32_t sa[kDqMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kDqMT; ++mt) ldmatrix_x4_trans(sa[mt], ds_lanes.at(ks * 16, m0 + mt * 16));
+      for (int mt = 0; mt < kDqMT; ++mt) ldmatrix_x4_trans(sa[mt], ds_lanes.at_column_first(ks * 16, m0 + mt * 16));
 #pragma unroll
       for (int dp = 0; dp < kDqDim / 16; ++dp) {
         uint32_t kb[4];
-        ldmatrix_x4_trans(kb, k_lanes.at(ks * 16, c0 + dp * 16));
+        ldmatrix_x4_trans(kb, k_lanes.at_column_first(ks * 16, c0 + dp * 16));
 #pragma unroll
         for (int mt = 0; mt < kDqMT; ++mt) {
           Mma<T>::run(dq[mt][2 * dp], sa[mt], kb[0], kb[1]);
@@ -487,10 +486,9 @@ struct DqPass {
     if (q0 >= seq.len_q) return;
     const int rows = tile_rows(seq.len_q, q0, kBlockM);
     const int lane = threadIdx.x % 32, row0 = threadIdx.x / 32 * 16;
+    // dout follows q and V follows K in shared memory: each pair shares its lane addresses.
     const auto q_lanes = QTile::a_lanes(smem_address(sq), lane);
-    const auto do_lanes = QTile::a_lanes(smem_address(sdo), lane);
     const auto k_lanes = KTile::b_lanes(smem_address(sk), lane);
-    const auto v_lanes = KTile::b_lanes(smem_address(sv), lane);
     const auto k_trans = KTile::b_trans_lanes(smem_address(sk), lane);
     const core::Mask mask = p.mask();
     int64_t n_begin, n_end;
@@ -531,13 +529,13 @@ struct DqPass {
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         uint32_t qa[4], oa[4];
-        ldmatrix_x4(qa, q_lanes.at(row0, ks * 16));
-        ldmatrix_x4(oa, do_lanes.at(row0, ks * 16));
+        ldmatrix_x4(qa, q_lanes.at_column_first(row0, ks * 16));
+        ldmatrix_x4(oa, q_lanes.at_column_first(row0, ks * 16) + QTile::kBytes);
 #pragma unroll
         for (int np = 0; np < kNT / 2; ++np) {
           uint32_t kb[4], vb[4];
-          ldmatrix_x4(kb, k_lanes.at(np * 16, ks * 16));
-          ldmatrix_x4(vb, v_lanes.at(np * 16, ks * 16));
+          ldmatrix_x4(kb, k_lanes.at_column_first(np * 16, ks * 16));
+          ldmatrix_x4(vb, k_lanes.at_column_first(np * 16, ks * 16) + KTile::kBytes);
           Mma<T>::run(s[2 * np], qa, kb[0], kb[1]);
           Mma<T>::run(s[2 * np + 1], qa, kb[2], kb[3]);
           Mma<T>::run(dp[2 * np], oa, vb[0], vb[1]);
@@ -563,7 +561,7 @@ struct DqPass {
 #pragma unroll
         for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
           uint32_t kb[4];
-          ldmatrix_x4_trans(kb, k_trans.at(ks * 16, dp2 * 16));
+          ldmatrix_x4_trans(kb, k_trans.at_column_first(ks * 16, dp2 * 16));
           Mma<T>::run(dq[2 * dp2], sa, kb[0], kb[1]);
           Mma<T>::run(dq[2 * dp2 + 1], sa, kb[2], kb[3]);
         }
