@@ -86,7 +86,7 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t address, const uint32_t (&r
 }
 
 // 16 bytes from global to shared memory, bypassing L1; zero-filled when !valid (the source is
-// then not read, but must still be a valid address).
+// then not read: a source-size of 0 copies no byte).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));

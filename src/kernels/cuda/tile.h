@@ -37,16 +37,18 @@ struct Tile {
     constexpr int kRowStep = kThreads / kChunksPerRow;
     const int row0 = static_cast<int>(threadIdx.x) / kChunksPerRow;
     const int col = static_cast<int>(threadIdx.x) % kChunksPerRow * kChunk;
-    const T* src = gmem + row0 * row_stride + col;
+    // Source addresses as integers, one add per row. A chunk past valid_rows or valid_cols is
+    // zero-filled: cp.async reads none of its bytes, so its address needs no guard.
+    uintptr_t src = reinterpret_cast<uintptr_t>(gmem + row0 * row_stride + col);
+    const uintptr_t step = static_cast<uintptr_t>(kRowStep * row_stride) * sizeof(T);
     const uint32_t dst = smem_address(smem + offset(row0, col));
 #pragma unroll
-    for (int i = 0; i < kRows / kRowStep; ++i) {
+    for (int i = 0; i < kRows / kRowStep; ++i, src += step) {
       const int row = row0 + i * kRowStep;
-      const bool valid = row < valid_rows && col < valid_cols;
       // With a row step of a multiple of 8 the chunk permutation repeats, so the destination
       // moves by whole rows.
       const uint32_t to = kRowStep % 8 == 0 ? dst + 2 * i * kRowStep * kCols : smem_address(smem + offset(row, col));
-      cp_async_16(to, valid ? src + i * kRowStep * row_stride : gmem, valid);
+      cp_async_16(to, reinterpret_cast<const void*>(src), row < valid_rows && col < valid_cols);
     }
   }
 
