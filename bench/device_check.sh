@@ -20,7 +20,8 @@
 #   OUT             where logs go (default ./device-check-out)
 #   STAGES          e.g. "build test" (default "build test sanitize bench")
 #   CUDA_ARCH       CMAKE_CUDA_ARCHITECTURES (default 90)
-#   CMAKE_DEFINES   extra CMake definitions, e.g. "RINGFLASH_DISABLE_HDIM256=ON"
+#   CMAKE_DEFINES   extra CMake definitions, e.g. "RINGFLASH_DISABLE_HDIM256=ON"; the
+#                   RINGFLASH_DISABLE_* switches it does not set are passed as OFF
 #   JOBS            build parallelism (default: the number of cores)
 #   PYTEST_ARGS     default "-x -q"; PYTEST_JOBS pytest-xdist workers when installed (default 8,
 #                   0 for none)
@@ -119,7 +120,13 @@ if wants build; then
     --config-settings=cmake.define.CMAKE_CUDA_FLAGS=-Xptxas=-v
     --config-settings=cmake.define.CMAKE_CUDA_HOST_COMPILER=/usr/bin/g++
   )
-  for define in $CMAKE_DEFINES; do
+  # The build switches are always passed (OFF unless CMAKE_DEFINES sets them), so that a build
+  # folder kept from an earlier configure cannot carry a RINGFLASH_DISABLE_* over.
+  defines=$CMAKE_DEFINES
+  for switch in RINGFLASH_DISABLE_HDIM64 RINGFLASH_DISABLE_HDIM128 RINGFLASH_DISABLE_HDIM256 RINGFLASH_DISABLE_BACKWARD; do
+    [[ " $defines " == *" $switch="* ]] || defines+=" $switch=OFF"
+  done
+  for define in $defines; do
     settings+=("--config-settings=cmake.define.$define")
   done
   start=$SECONDS
