@@ -6,7 +6,7 @@
 //              group, so dK and dV are summed in registers and written once (GQA needs no
 //              expanded buffers and dK/dV are deterministic). dQ = dS K goes to an fp32
 //              accumulator with atomics, unless the backward is deterministic.
-//   DqKernel   deterministic dQ: one thread block per query tile walks the key tiles.
+//   DqPass     deterministic dQ: one thread block per query tile walks the key tiles.
 //   convert_dq dq = dq_accum, rounded to dq's dtype.
 //
 // Backward computes S^T = K Q^T and dP^T = V dO^T with each warp on 32 keys x half the query tile,
