@@ -80,7 +80,7 @@ function(ringflash_add_backends target)
         endforeach()
       endforeach()
     endforeach()
-    target_sources(${target} PRIVATE ${src}/kernels/cuda/device.cu ${_instances})
+    target_sources(${target} PRIVATE ${src}/kernels/cuda/device.cu ${src}/kernels/cuda/ops.cu ${_instances})
     target_link_libraries(${target} PRIVATE CUDA::cudart)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=--warn-on-spills -lineinfo --expt-relaxed-constexpr>)

@@ -104,6 +104,16 @@ class Communicator {
   // rank that will not take part any more (its own call threw). Never throws or waits.
   virtual void fail(const std::string& reason) = 0;
 
+  // Stream order (GPU transports). A stream-ordered transport orders each operation after the work
+  // enqueued on stream() (a cudaStream_t) before the call, and a request's wait() makes stream()
+  // wait for the operation instead of blocking the host; synchronize() then blocks until all of
+  // them are done, under the deadline. The CPU transports finish every operation in its wait()
+  // and ignore the stream.
+  virtual bool stream_ordered() const { return false; }
+  void set_stream(void* stream) { stream_ = stream; }
+  void* stream() const { return stream_; }
+  virtual void synchronize() {}
+
   std::chrono::milliseconds timeout() const { return timeout_; }
   void set_timeout(std::chrono::milliseconds t) { timeout_ = t; }
 
@@ -140,6 +150,7 @@ class Communicator {
 
   std::chrono::milliseconds timeout_{std::chrono::minutes(5)};
   Stats stats_;  // kept up to date by the transports
+  void* stream_ = nullptr;
 };
 
 // Runs fn(comm) on `world_size` threads, one rank each, over the inproc transport, and returns

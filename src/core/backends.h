@@ -5,6 +5,9 @@
 
 #include <string>
 
+#include <cstddef>
+
+#include "../kernels/common/elementwise.h"
 #include "../kernels/common/params.h"
 
 namespace ringflash::cuda {
@@ -15,6 +18,12 @@ std::string describe();  // one line for build_info()
 std::string unsupported_reason(const core::AttentionArgs& args);
 void attention_forward(const core::AttentionArgs& args);
 void attention_backward(const core::AttentionArgs& args);
+// kernels/ops.h on CUDA: device is a CUDA device index, stream a cudaStream_t.
+void elementwise(const core::ElementwiseArgs& args);
+void upload(const void* src, size_t bytes, void* dst, int device, void* stream);
+bool capturing(int device, void* stream);
+void* allocate(int device, size_t bytes, void* stream);
+void release(int device, void* data, void* stream) noexcept;
 }  // namespace ringflash::cuda
 
 namespace ringflash::comm::mpi {

@@ -14,13 +14,13 @@
 // and every sequence is a group of its own.
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
+#include "../kernels/ops.h"
 #include "strategy.h"
 
 namespace ringflash::parallel {
@@ -144,7 +144,7 @@ int ring_steps(const Geometry& g, const Band& band, const AttentionParams& base)
   return last + 1;
 }
 
-// ---- views and copies ----------------------------------------------------------------------
+// ---- views ------------------------------------------------------------------------------
 
 TensorView make_view(void* data, DType dtype, Device device, std::vector<int64_t> shape, std::vector<int64_t> strides) {
   return TensorView(data, dtype, device, static_cast<int>(shape.size()), shape.data(), strides.data());
@@ -174,89 +174,12 @@ TensorView narrow(const TensorView& t, int dim, int64_t start, int64_t count) {
 }
 
 // A contiguous (B, rows, H, D) tensor at `data`.
-TensorView contiguous(void* data, DType dtype, int64_t batch, int64_t rows, int64_t heads, int64_t dim) {
-  return make_view(data, dtype, Device{}, {batch, rows, heads, dim}, {rows * heads * dim, heads * dim, dim, 1});
+TensorView contiguous(void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t heads, int64_t dim) {
+  return make_view(data, dtype, device, {batch, rows, heads, dim}, {rows * heads * dim, heads * dim, dim, 1});
 }
 
-// Calls fn(pointer to element (b, i, h, 0), n) for the n-th (b, i, h) of a (B, rows, H, D) view.
-template <typename Fn>
-void for_each_vector(const TensorView& t, Fn&& fn) {
-  const int64_t size = static_cast<int64_t>(dtype_size(t.dtype()));
-  int64_t n = 0;
-  for (int64_t b = 0; b < t.size(0); ++b)
-    for (int64_t i = 0; i < t.size(1); ++i)
-      for (int64_t h = 0; h < t.size(2); ++h)
-        fn(static_cast<unsigned char*>(t.data()) + (b * t.stride(0) + i * t.stride(1) + h * t.stride(2)) * size, n++);
-}
-
-// Every element of a (B, rows, H, D) fp32 view set to `value`.
-void fill(const TensorView& t, float value) {
-  const int64_t dim = t.size(3);
-  for_each_vector(t, [&](unsigned char* p, int64_t) { std::fill_n(reinterpret_cast<float*>(p), dim, value); });
-}
-
-// Every element of a (B, H, rows) fp32 view set to `value`.
-void fill_lse(const TensorView& lse, float value) {
-  for (int64_t b = 0; b < lse.size(0); ++b)
-    for (int64_t h = 0; h < lse.size(1); ++h)
-      std::fill_n(lse.data_as<float>() + b * lse.stride(0) + h * lse.stride(1), lse.size(2), value);
-}
-
-// Copies a (B, rows, H, D) view into contiguous memory of the same dtype.
-void copy_to_contiguous(const TensorView& t, void* dst) {
-  const size_t bytes = static_cast<size_t>(t.size(3)) * dtype_size(t.dtype());
-  auto* out = static_cast<unsigned char*>(dst);
-  for_each_vector(t, [&](unsigned char* p, int64_t n) { std::memcpy(out + n * bytes, p, bytes); });
-}
-
-// bfloat16 bits of x, rounded to nearest even.
-uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-// Writes contiguous fp32 values into a (B, rows, H, D) view of any float dtype.
-void store_from_fp32(const float* src, const TensorView& t) {
-  const int64_t dim = t.size(3);
-  const DType dtype = t.dtype();
-  for_each_vector(t, [&](unsigned char* p, int64_t n) {
-    const float* x = src + n * dim;
-    if (dtype == DType::kFloat32) {
-      std::memcpy(p, x, static_cast<size_t>(dim) * sizeof(float));
-    } else if (dtype == DType::kFloat16) {
-      for (int64_t d = 0; d < dim; ++d) reinterpret_cast<_Float16*>(p)[d] = static_cast<_Float16>(x[d]);
-    } else {
-      for (int64_t d = 0; d < dim; ++d) reinterpret_cast<uint16_t*>(p)[d] = to_bf16(x[d]);
-    }
-  });
-}
-
-// A zeroed fp32 accumulator for a (B, rows, H, D) output: the output itself when it is fp32, else
-// a contiguous buffer that store() rounds into the output.
-class Fp32Accumulator {
- public:
-  explicit Fp32Accumulator(const TensorView& out) : out_(out), acc_(out) {
-    if (out.dtype() != DType::kFloat32) {
-      buffer_.resize(static_cast<size_t>(out.numel()));
-      acc_ = contiguous(buffer_.data(), DType::kFloat32, out.size(0), out.size(1), out.size(2), out.size(3));
-    }
-    fill(acc_, 0.0f);
-  }
-  // acc_ may point into buffer_.
-  Fp32Accumulator(const Fp32Accumulator&) = delete;
-  Fp32Accumulator& operator=(const Fp32Accumulator&) = delete;
-
-  const TensorView& view() const { return acc_; }
-  void store() const {
-    if (acc_.data() != out_.data()) store_from_fp32(buffer_.data(), out_);
-  }
-
- private:
-  TensorView out_, acc_;
-  std::vector<float> buffer_;
-};
+// The first `n` elements at `data` as a flat fp32 tensor.
+TensorView flat(void* data, Device device, int64_t n) { return make_view(data, DType::kFloat32, device, {n}, {1}); }
 
 // ---- the ring -----------------------------------------------------------------------------
 
@@ -276,15 +199,24 @@ class Ring {
         band_(band_of(p.params)),
         steps_(ring_steps(geo_, band_, p.params)),
         max_rows_(*std::max_element(geo_.rows.begin(), geo_.rows.end())),
-        kv_elements_(geo_.batch * max_rows_ * p.heads_kv * p.head_dim) {
+        kv_elements_(geo_.batch * max_rows_ * p.heads_kv * p.head_dim),
+        device_(p.q.device()),
+        stream_(p.params.stream) {
     q_ = batched(p.q, p.packed);
     home_ = {batched(p.k, p.packed), batched(p.v, p.packed)};
   }
 
   void forward() {
-    const TensorView lse = batched(p_.lse, p_.packed);
-    const Fp32Accumulator out(batched(p_.out, p_.packed));
-    fill_lse(lse, -std::numeric_limits<float>::infinity());
+    const TensorView lse = batched(p_.lse, p_.packed), out = batched(p_.out, p_.packed);
+    // The fp32 accumulator: out itself when it is fp32.
+    const bool own_acc = out.dtype() != DType::kFloat32;
+    kernels::WorkspaceLayout layout;
+    const size_t acc_at = layout.add(own_acc ? static_cast<size_t>(out.numel()) * sizeof(float) : 0);
+    plan_travel(layout);
+    workspace_ = kernels::Workspace(device_, layout.total(), stream_);
+    const TensorView acc = own_acc ? accumulator(acc_at, out) : out;
+    kernels::fill(acc, 0.0f, stream_);
+    kernels::fill(lse, -std::numeric_limits<float>::infinity(), stream_);
 
     prepare_travel();
     for (int s = 0; s < steps_; ++s) {
@@ -292,17 +224,16 @@ class Ring {
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
       for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
-        attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out.view(), q), lse_rows(lse, q), params);
+        attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(acc, q), lse_rows(lse, q), params);
       });
       if (kv_in) kv_in->wait();
     }
-    out.store();
+    if (own_acc) kernels::copy(acc, out, stream_);
   }
 
   void backward() {
     const TensorView out = batched(p_.out, p_.packed), dout = batched(p_.dout, p_.packed);
-    const TensorView lse = batched(p_.lse, p_.packed);
-    const Fp32Accumulator dq(batched(p_.dq, p_.packed));
+    const TensorView lse = batched(p_.lse, p_.packed), dq = batched(p_.dq, p_.packed);
 
     // dK/dV in fp32, [dk | dv]. `own` holds this rank's contribution to its own block. The partial
     // sum of the other ranks' contributions to a block starts on the rank after its home, travels
@@ -310,8 +241,20 @@ class Ring {
     // for a full ring. Two partials travel in turn (one is being sent while the other is
     // received); from step 2 on, the kernel adds into `block`, which is then added to the partial
     // arriving from the previous rank.
-    std::vector<float> own(static_cast<size_t>(2 * rows_elements(rank_))), partial[2], block;
-    for (auto* b : {&partial[0], &partial[1], &block}) b->resize(static_cast<size_t>(2 * kv_elements_));
+    const bool own_dq = dq.dtype() != DType::kFloat32;
+    const size_t grad_bytes = static_cast<size_t>(2 * kv_elements_) * sizeof(float);
+    kernels::WorkspaceLayout layout;
+    const size_t dq_at = layout.add(own_dq ? static_cast<size_t>(dq.numel()) * sizeof(float) : 0);
+    const size_t own_at = layout.add(static_cast<size_t>(2 * rows_elements(rank_)) * sizeof(float));
+    const size_t partial_at[2] = {layout.add(grad_bytes), layout.add(grad_bytes)};
+    const size_t block_at = layout.add(grad_bytes);
+    plan_travel(layout);
+    workspace_ = kernels::Workspace(device_, layout.total(), stream_);
+    const TensorView dq_acc = own_dq ? accumulator(dq_at, dq) : dq;
+    kernels::fill(dq_acc, 0.0f, stream_);
+    unsigned char* own = workspace_.data() + own_at;
+    unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
+    unsigned char* block = workspace_.data() + block_at;
 
     prepare_travel();
     std::unique_ptr<CommRequest> grads_in;
@@ -319,27 +262,30 @@ class Ring {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      std::vector<float>& carried = partial[s % 2];
-      std::vector<float>& target = s == 0 ? own : s == 1 ? carried : block;
+      unsigned char* carried = partial[s % 2];
+      unsigned char* target = s == 0 ? own : s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
-      fill(grads.k, 0.0f);
-      fill(grads.v, 0.0f);
       bool computed = false;
       for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
+        if (!computed) {
+          kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+          computed = true;
+        }
         attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
-                           rows(dq.view(), q), rows(grads.k, k), rows(grads.v, k), params);
-        computed = true;
+                           rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
       });
+      // A block that no pair reached holds zeros: `own` and the partial of step 1 are filled here,
+      // a later step's block is simply not added.
+      if (!computed && s < 2) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
-        if (computed)
-          for (int64_t e = 0; e < n; ++e) carried[e] += block[e];
+        if (computed) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
       if (s > 0 && s + 1 < steps_) {
         const int64_t next_src = source(s + 1);
-        grads_in = comm_.send_recv(transfer(next(), carried.data(), 2 * rows_elements(src) * sizeof(float), prev(),
-                                            partial[(s + 1) % 2].data(), 2 * rows_elements(next_src) * sizeof(float)));
+        grads_in = comm_.send_recv(transfer(next(), carried, 2 * rows_elements(src) * sizeof(float), prev(),
+                                            partial[(s + 1) % 2], 2 * rows_elements(next_src) * sizeof(float)));
       }
       if (kv_in) kv_in->wait();
     }
@@ -348,17 +294,17 @@ class Ring {
     // rank's own arrives from rank (r + steps - 1) mod P.
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
-      std::vector<float>& arrived = partial[steps_ % 2];
+      unsigned char* arrived = partial[steps_ % 2];
       const int64_t n = 2 * rows_elements(rank_);
-      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2].data(), 2 * rows_elements(home) * sizeof(float), from,
-                               arrived.data(), n * sizeof(float)))
+      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float), from,
+                               arrived, n * sizeof(float)))
           ->wait();
-      for (int64_t e = 0; e < n; ++e) own[e] += arrived[e];
+      kernels::add(flat(arrived, device_, n), flat(own, device_, n), stream_);
     }
     const KeyValues mine = grad_views(own, rank_);
-    store_from_fp32(mine.k.data_as<float>(), batched(p_.dk, p_.packed));
-    store_from_fp32(mine.v.data_as<float>(), batched(p_.dv, p_.packed));
-    dq.store();
+    kernels::copy(mine.k, batched(p_.dk, p_.packed), stream_);
+    kernels::copy(mine.v, batched(p_.dv, p_.packed), stream_);
+    if (own_dq) kernels::copy(dq_acc, dq, stream_);
   }
 
  private:
@@ -398,44 +344,57 @@ class Ring {
   TensorView rows(const TensorView& t, const Run& run) const { return narrow(t, 1, run.row, run.piece.count); }
   TensorView lse_rows(const TensorView& lse, const Run& run) const { return narrow(lse, 2, run.row, run.piece.count); }
 
-  // Buffers for the K/V in flight, and a contiguous copy of this rank's K/V when the caller's are
-  // strided (a message is one contiguous block).
+  // A contiguous fp32 tensor shaped like `like`, in the workspace at `offset`.
+  TensorView accumulator(size_t offset, const TensorView& like) const {
+    return contiguous(workspace_.data() + offset, DType::kFloat32, device_, like.size(0), like.size(1), like.size(2),
+                      like.size(3));
+  }
+
+  // Room in the workspace for the K/V in flight, and for a contiguous copy of this rank's K/V when
+  // the caller's are strided (a message is one contiguous block).
+  void plan_travel(kernels::WorkspaceLayout& layout) {
+    if (steps_ == 1) return;
+    const size_t size = dtype_size(p_.k.dtype());
+    for (size_t& at : travel_at_) at = layout.add(static_cast<size_t>(2 * kv_elements_) * size);
+    if (!p_.k.is_contiguous() || !p_.v.is_contiguous())
+      staging_at_ = layout.add(static_cast<size_t>(2 * rows_elements(rank_)) * size);
+  }
+
   void prepare_travel() {
     if (steps_ == 1) return;
-    const size_t bytes = static_cast<size_t>(2 * kv_elements_) * dtype_size(p_.k.dtype());
-    for (auto& b : travel_) b.resize(bytes);
     home_send_ = home_;
-    if (!p_.k.is_contiguous() || !p_.v.is_contiguous()) {
-      const int64_t n = rows_elements(rank_);
-      staging_.resize(static_cast<size_t>(2 * n) * dtype_size(p_.k.dtype()));
-      home_send_ = kv_views(staging_.data(), rank_);
-      copy_to_contiguous(home_.k, home_send_.k.data());
-      copy_to_contiguous(home_.v, home_send_.v.data());
+    if (staging_at_ != kNoStaging) {
+      home_send_ = kv_views(workspace_.data() + staging_at_, rank_);
+      kernels::copy(home_.k, home_send_.k, stream_);
+      kernels::copy(home_.v, home_send_.v, stream_);
     }
   }
+
+  unsigned char* travel(int i) const { return workspace_.data() + travel_at_[i]; }
 
   // K and V of `rank` in a travel buffer: [k | v], each (B, rows, Hkv, D).
   KeyValues kv_views(unsigned char* data, int rank) const {
     const DType dtype = p_.k.dtype();
     const int64_t n = rows_elements(rank);
-    return {contiguous(data, dtype, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
-            contiguous(data + n * static_cast<int64_t>(dtype_size(dtype)), dtype, geo_.batch, geo_.rows[rank],
-                       p_.heads_kv, p_.head_dim)};
+    return {contiguous(data, dtype, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
+            contiguous(data + n * static_cast<int64_t>(dtype_size(dtype)), dtype, device_, geo_.batch,
+                       geo_.rows[rank], p_.heads_kv, p_.head_dim)};
   }
 
-  KeyValues grad_views(std::vector<float>& data, int rank) const {
+  KeyValues grad_views(unsigned char* data, int rank) const {
     const int64_t n = rows_elements(rank);
-    return {contiguous(data.data(), DType::kFloat32, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
-            contiguous(data.data() + n, DType::kFloat32, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim)};
+    auto* f = reinterpret_cast<float*>(data);
+    return {contiguous(f, DType::kFloat32, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
+            contiguous(f + n, DType::kFloat32, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim)};
   }
 
   // The K/V visited at step s: this rank's own at step 0, then what step s - 1 received.
-  KeyValues key_values(int s) { return s == 0 ? home_ : kv_views(travel_[(s - 1) % 2].data(), source(s)); }
+  KeyValues key_values(int s) const { return s == 0 ? home_ : kv_views(travel((s - 1) % 2), source(s)); }
 
   // Posts the K/V of step s to the next rank and the receive of step s + 1's from the previous one.
   std::unique_ptr<CommRequest> pass_kv(int s) {
-    const KeyValues send = s == 0 ? home_send_ : kv_views(travel_[(s - 1) % 2].data(), source(s));
-    const KeyValues recv = kv_views(travel_[s % 2].data(), source(s + 1));
+    const KeyValues send = s == 0 ? home_send_ : kv_views(travel((s - 1) % 2), source(s));
+    const KeyValues recv = kv_views(travel(s % 2), source(s + 1));
     const size_t size = dtype_size(p_.k.dtype());
     const size_t send_bytes = static_cast<size_t>(rows_elements(source(s))) * size;
     const size_t recv_bytes = static_cast<size_t>(rows_elements(source(s + 1))) * size;
@@ -460,6 +419,8 @@ class Ring {
     return ops;
   }
 
+  static constexpr size_t kNoStaging = SIZE_MAX;
+
   Communicator& comm_;
   const Problem& p_;
   const int rank_, world_;
@@ -467,9 +428,14 @@ class Ring {
   const Band band_;
   const int steps_;
   const int64_t max_rows_, kv_elements_;
+  const Device device_;
+  void* const stream_;
   TensorView q_;
   KeyValues home_, home_send_;
-  std::vector<unsigned char> travel_[2], staging_;
+  // Every buffer of a call, in one allocation; requests in flight end before it is released.
+  kernels::Workspace workspace_;
+  size_t travel_at_[2] = {0, 0};
+  size_t staging_at_ = kNoStaging;
 };
 
 }  // namespace

@@ -1,4 +1,4 @@
-// The CUDA status check: a DeviceError naming the call and CUDA's own words.
+// The CUDA status check (a DeviceError naming the call and CUDA's own words) and the device guard.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,3 +11,23 @@
     RINGFLASH_CHECK(ringflash_cuda_rc_ == cudaSuccess, DeviceError, "[cuda] ", #call, " failed: ",    \
                     cudaGetErrorName(ringflash_cuda_rc_), ": ", cudaGetErrorString(ringflash_cuda_rc_)); \
   } while (0)
+
+namespace ringflash::cuda {
+
+// Makes `device` current for the guard's lifetime (nothing for a negative one).
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(int device) {
+    if (device < 0) return;
+    RINGFLASH_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous == device) previous = -1;
+    else RINGFLASH_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+}  // namespace ringflash::cuda

@@ -120,19 +120,6 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
   return "";
 }
 
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    if (device < 0) return;
-    RINGFLASH_CUDA_CHECK(cudaGetDevice(&previous));
-    if (previous == device) previous = -1;
-    else RINGFLASH_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
-  }
-};
-
 Params make_params(const AttentionArgs& a) {
   Params p;
   p.a = a;

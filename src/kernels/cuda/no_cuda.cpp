@@ -17,4 +17,16 @@ void attention_backward(const core::AttentionArgs&) {
   throw NotSupported("[attention_backward] CUDA tensors need a build with CUDA (RINGFLASH_CUDA=ON)");
 }
 
+namespace {
+[[noreturn]] void no_cuda(const char* op) {
+  throw NotSupported(std::string("[") + op + "] CUDA tensors need a build with CUDA (RINGFLASH_CUDA=ON)");
+}
+}  // namespace
+
+void elementwise(const core::ElementwiseArgs&) { no_cuda("elementwise"); }
+void upload(const void*, size_t, void*, int, void*) { no_cuda("upload"); }
+bool capturing(int, void*) { return false; }
+void* allocate(int, size_t, void*) { no_cuda("Workspace"); }
+void release(int, void*, void*) noexcept {}
+
 }  // namespace ringflash::cuda

@@ -1,0 +1,186 @@
+// kernels/ops.h on CUDA: elementwise kernels over folded strided views, uploads of host bytes
+// passed as kernel parameters, and stream-ordered workspace memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <type_traits>
+
+#include "../../core/backends.h"
+#include "check.h"
+
+namespace ringflash::cuda {
+namespace {
+
+using core::ElementwiseArgs;
+using core::ElementwiseOp;
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 8192;
+
+__device__ __forceinline__ float load_float(const float* p) { return *p; }
+__device__ __forceinline__ float load_float(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load_float(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Element offsets in dst and src of the i-th element, dimensions in row-major order.
+__device__ __forceinline__ void offsets(const ElementwiseArgs& a, int64_t i, int64_t& dst, int64_t& src) {
+  dst = 0;
+  src = 0;
+  for (int d = a.ndim - 1; d >= 0; --d) {
+    const int64_t size = a.size[d];
+    const int64_t q = d > 0 ? i / size : 0;
+    const int64_t r = i - q * size;
+    dst += r * a.dst_stride[d];
+    src += r * a.src_stride[d];
+    i = q;
+  }
+}
+
+// kFill (S unused), kCopy with conversion, kAdd (S = D = float). T: the element type.
+template <ElementwiseOp kOp, typename S, typename D>
+__global__ void __launch_bounds__(kThreads) elementwise_kernel(const ElementwiseArgs a) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  D* dst = static_cast<D*>(a.dst);
+  const S* src = static_cast<const S*>(a.src);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < a.numel; i += step) {
+    int64_t d, s;
+    offsets(a, i, d, s);
+    if constexpr (kOp == ElementwiseOp::kFill) {
+      dst[d] = from_float<D>(a.value);
+    } else if constexpr (kOp == ElementwiseOp::kAdd) {
+      dst[d] += src[s];
+    } else if constexpr (std::is_same_v<S, D>) {
+      dst[d] = src[s];
+    } else {
+      dst[d] = from_float<D>(load_float(src + s));
+    }
+  }
+}
+
+template <ElementwiseOp kOp, typename S, typename D>
+void launch(const ElementwiseArgs& a) {
+  const int64_t blocks = std::min<int64_t>((a.numel + kThreads - 1) / kThreads, kMaxBlocks);
+  elementwise_kernel<kOp, S, D><<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
+  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+}
+
+// Calls fn(T{}) for the storage type of a float dtype.
+template <typename Fn>
+void with_float(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kFloat16: return fn(__half{});
+    default: return fn(__nv_bfloat16{});
+  }
+}
+
+// An unsigned type of `size` bytes.
+template <typename Fn>
+void with_bits(size_t size, Fn&& fn) {
+  switch (size) {
+    case 2: return fn(uint16_t{});
+    case 4: return fn(uint32_t{});
+    default: return fn(uint64_t{});
+  }
+}
+
+// Bytes handed to the upload kernel as its parameter.
+constexpr size_t kUploadChunk = 2048;
+struct UploadChunk {
+  unsigned char bytes[kUploadChunk];
+};
+
+__global__ void upload_kernel(const UploadChunk chunk, unsigned char* dst, unsigned n) {
+  for (unsigned i = threadIdx.x; i < n; i += blockDim.x) dst[i] = chunk.bytes[i];
+}
+
+// A pool per device that keeps freed memory for the next call.
+cudaMemPool_t pool(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mutex;
+  static cudaMemPool_t pools[kMaxDevices] = {};
+  RINGFLASH_CHECK(device >= 0 && device < kMaxDevices, InvalidArgument, "[Workspace] CUDA device index must be in [0, ",
+                  kMaxDevices, "), got ", device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!pools[device]) {
+    cudaMemPoolProps props = {};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    RINGFLASH_CUDA_CHECK(cudaMemPoolCreate(&pools[device], &props));
+    uint64_t keep = UINT64_MAX;
+    RINGFLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep));
+  }
+  return pools[device];
+}
+
+}  // namespace
+
+void elementwise(const ElementwiseArgs& a) {
+  DeviceGuard guard(a.device);
+  switch (a.op) {
+    case ElementwiseOp::kFill:
+      return with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kFill, decltype(d), decltype(d)>(a); });
+    case ElementwiseOp::kAdd:
+      return launch<ElementwiseOp::kAdd, float, float>(a);
+    case ElementwiseOp::kCopy:
+      if (a.src_dtype == a.dst_dtype)
+        return with_bits(dtype_size(a.dst_dtype), [&](auto t) { launch<ElementwiseOp::kCopy, decltype(t), decltype(t)>(a); });
+      return with_float(a.src_dtype, [&](auto s) {
+        with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kCopy, decltype(s), decltype(d)>(a); });
+      });
+  }
+}
+
+void upload(const void* src, size_t bytes, void* dst, int device, void* stream) {
+  DeviceGuard guard(device);
+  for (size_t done = 0; done < bytes; done += kUploadChunk) {
+    UploadChunk chunk;
+    const size_t n = std::min(kUploadChunk, bytes - done);
+    std::memcpy(chunk.bytes, static_cast<const unsigned char*>(src) + done, n);
+    upload_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(chunk, static_cast<unsigned char*>(dst) + done,
+                                                                          static_cast<unsigned>(n));
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+bool capturing(int device, void* stream) {
+  DeviceGuard guard(device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  RINGFLASH_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Outside capture from ringflash's pool; while capturing, from the device's default pool, whose
+// allocations a graph records as memory nodes.
+void* allocate(int device, size_t bytes, void* stream) {
+  DeviceGuard guard(device);
+  void* data = nullptr;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (capturing(device, stream)) RINGFLASH_CUDA_CHECK(cudaMallocAsync(&data, bytes, s));
+  else RINGFLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&data, bytes, pool(device), s));
+  return data;
+}
+
+void release(int device, void* data, void* stream) noexcept {
+  int previous = device;
+  cudaGetDevice(&previous);
+  if (previous != device) cudaSetDevice(device);
+  cudaFreeAsync(data, static_cast<cudaStream_t>(stream));
+  if (previous != device) cudaSetDevice(previous);
+}
+
+}  // namespace ringflash::cuda
