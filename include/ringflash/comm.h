@@ -24,6 +24,7 @@
 //   inproc  (run_inproc) ranks are threads. A rank that fails, throws out of run_inproc's fn, or
 //           returns from it is known to its peers at once: their waits on it fail without
 //           waiting out the deadline.
+//   nccl    (nccl_communicator) GPU ranks, stream-ordered; see there.
 //   mpi     (mpi_world) ranks are processes. fail() and failed waits tell the peers at once, over
 //           a control message. A process that returns early is seen only by the deadline, and
 //           one that exits without MPI_Finalize (crash, exit()) makes mpiexec end the whole job.
@@ -70,7 +71,7 @@ class Communicator {
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "inproc" or "mpi".
+  // "inproc", "mpi", "nccl", or the name a binding gives.
   virtual std::string transport() const = 0;
 
   // Ranks that pass the same `color` (>= 0) form a new communicator, ordered by (key, rank), with
@@ -172,5 +173,26 @@ std::vector<std::exception_ptr> run_inproc_collect(int world_size, const std::fu
 // CommError if they have not all done so within 5 minutes. Throws NotSupported if this build has no
 // MPI. MPI is finalised at exit if ringflash initialised it.
 std::unique_ptr<Communicator> mpi_world();
+
+// NCCL's unique id: rank 0 makes it, and every rank passes the same bytes to nccl_communicator.
+struct NcclUniqueId {
+  unsigned char bytes[128];
+};
+NcclUniqueId nccl_unique_id();
+
+// A communicator of `size` GPU ranks over NCCL, this rank on CUDA device `device`. Collective: every
+// rank calls it with the same id; CommError if they have not all done so within `timeout`.
+// Messages in device memory are stream-ordered on stream() (see above); messages in host memory
+// go through a device buffer while the host waits. Every wait has the deadline `timeout`: a
+// watchdog aborts the world's NCCL communicators when an operation is late or NCCL reports an
+// error, and the calls that follow throw CommError. fail() aborts them too; peers learn of it only
+// by their deadlines. Operations captured into a CUDA graph have no deadline. Throws NotSupported
+// if this build has no NCCL.
+std::unique_ptr<Communicator> nccl_communicator(const NcclUniqueId& id, int rank, int size, int device,
+                                                std::chrono::milliseconds timeout = std::chrono::minutes(5));
+
+// The same, with rank 0's id sent to the others over `bootstrap` (mpi_world(), a torch bridge, ...),
+// whose ranks, size and timeout it takes. Collective over `bootstrap`.
+std::unique_ptr<Communicator> nccl_communicator(Communicator& bootstrap, int device);
 
 }  // namespace ringflash

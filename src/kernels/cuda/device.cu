@@ -158,13 +158,13 @@ std::string describe() {
 
 std::string unsupported_reason(const AttentionArgs& args) {
   Kernels k;
-  int device;
+  int device = -1;
   return choose(args, false, &k, &device);
 }
 
 void attention_forward(const AttentionArgs& args) {
   Kernels k;
-  int device;
+  int device = -1;
   const std::string reason = choose(args, false, &k, &device);
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_forward] ", reason);
   check_aligned("attention_forward", {{&args.out, "out"}}, args.out_dtype);
@@ -175,7 +175,7 @@ void attention_forward(const AttentionArgs& args) {
 
 void attention_backward(const AttentionArgs& args) {
   Kernels k;
-  int device;
+  int device = -1;
   const std::string reason = choose(args, true, &k, &device);
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_backward] ", reason);
   check_aligned("attention_backward", {{&args.out, "out"}}, args.out_dtype);
