@@ -6,11 +6,15 @@ makes one for a ``torch.distributed`` process group:
 * ``mpi``: the C++ MPI transport, when the job was launched by ``mpiexec`` and ringflash was built
   with MPI. Ranks must be those of MPI_COMM_WORLD (``setup_mpi_distributed`` makes them so). CPU
   tensors only; the messages never touch Python.
+* ``nccl``: the C++ NCCL transport, for CUDA tensors: a communicator of its own over the group's
+  ranks (it never uses torch's), its unique id broadcast over the group (or over MPI under
+  ``mpiexec`` without torch.distributed). Stream-ordered on torch's current stream.
 * ``torch``: the torch bridge, which carries the library's messages as ``torch.distributed``
-  point-to-point operations on the group (gloo, nccl, or any other backend).
+  point-to-point operations on the group (gloo, nccl, or any other backend). CPU tensors.
 
-``RINGFLASH_TRANSPORT`` forces one (``mpi`` or ``torch``); ``auto`` (the default) takes ``mpi`` for
-CPU tensors under ``mpiexec`` and ``torch`` otherwise. ``RINGFLASH_KERNEL`` forces the attention
+``RINGFLASH_TRANSPORT`` forces one (``mpi``, ``nccl`` or ``torch``); ``auto`` (the default) takes
+``nccl`` for CUDA tensors when ringflash has NCCL, ``mpi`` for CPU tensors under ``mpiexec``, and
+``torch`` otherwise. ``RINGFLASH_KERNEL`` forces the attention
 kernels (``cpu`` or ``cuda``); ``auto`` follows the tensors' device. ``selected(device)`` says what was
 chosen, and the first choice is logged (logger ``ringflash``, level INFO).
 ``RINGFLASH_COMM_TIMEOUT`` sets the deadline of every wait in seconds (default 300).
@@ -41,7 +45,7 @@ __all__ = [
 
 logger = logging.getLogger("ringflash")
 
-_TRANSPORTS = ("auto", "mpi", "torch")
+_TRANSPORTS = ("auto", "mpi", "nccl", "torch")
 _KERNELS = ("auto", "cpu", "cuda")
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
@@ -80,7 +84,7 @@ def _timeout() -> float:
 def selected(device="cpu") -> Dict[str, str]:
     """The transport and kernel that a call on tensors of ``device`` uses: {"transport", "kernel"}.
 
-    transport is "mpi", "torch" or "none" (a single process: nothing to send)."""
+    transport is "mpi", "nccl", "torch" or "none" (a single process: nothing to send)."""
     device = torch.device(device)
     kernel = _env_choice("RINGFLASH_KERNEL", _KERNELS)
     if kernel == "auto":
@@ -100,11 +104,22 @@ def _transport(device: torch.device) -> str:
         if device.type != "cpu":
             raise _C.NotSupported(f"[RINGFLASH_TRANSPORT] the mpi transport carries cpu tensors, got {device}")
         return "mpi"
+    if forced == "nccl":
+        if not _C.has_nccl():
+            raise _C.NotSupported("[RINGFLASH_TRANSPORT] is 'nccl', but ringflash was built without NCCL")
+        if device.type != "cuda":
+            raise _C.NotSupported(f"[RINGFLASH_TRANSPORT] the nccl transport carries cuda tensors, got {device}")
     if forced == "torch":
         return "torch"
+    initialized = dist.is_available() and dist.is_initialized()
+    if device.type == "cuda" and _C.has_nccl() and (initialized or launched_by_mpiexec()):
+        return "nccl"
+    if forced == "nccl":
+        raise _C.InvalidArgument("[RINGFLASH_TRANSPORT] is 'nccl', but neither torch.distributed is initialised "
+                                 "nor was this process launched by mpiexec")
     if device.type == "cpu" and launched_by_mpiexec() and _C.has_mpi():
         return "mpi"
-    if dist.is_available() and dist.is_initialized():
+    if initialized:
         return "torch"
     return "none"
 
@@ -199,11 +214,15 @@ def communicator(group=None, device="cpu") -> Optional["_C.Communicator"]:
     if group is not None and dist.get_rank(group) < 0:
         raise _C.InvalidArgument(f"[communicator] this process (rank {dist.get_rank()}) is not a member of the group "
                                  f"of ranks {dist.get_process_group_ranks(group)}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (transport, group if group is not None else "world", device.type, device.index)
     comm = _communicators.get(key)
     if comm is not None:
         return comm
-    if transport == "mpi":
+    if transport == "nccl":
+        comm = _nccl(group, device.index)
+    elif transport == "mpi":
         world = _mpi()
         if initialized and dist.get_rank() != world.rank:
             raise _C.InvalidArgument(f"[communicator] torch.distributed rank {dist.get_rank()} is not MPI rank "
@@ -222,6 +241,21 @@ def communicator(group=None, device="cpu") -> Optional["_C.Communicator"]:
         comm.timeout = _timeout()
     _communicators[key] = comm
     return comm
+
+
+def _nccl(group, device_index: int) -> "_C.Communicator":
+    """A new nccl communicator over the ranks of ``group`` (over MPI_COMM_WORLD under mpiexec without
+    torch.distributed), this rank on CUDA device ``device_index``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        comm = _C.nccl_world(_mpi(), device_index)
+        comm.timeout = _timeout()
+        return comm
+    pg = group if group is not None else dist.group.WORLD
+    rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+    box = [_C.nccl_unique_id() if rank == 0 else None]
+    with torch.cuda.device(device_index):  # an nccl group sends the object from the current device
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(pg)[0], group=pg)
+    return _C.nccl_communicator(box[0], rank, size, device_index, _timeout())
 
 
 def _free_port() -> int:

@@ -5,6 +5,8 @@
 //   _C.mpi_world()        every process of the mpiexec job (MPI is initialised on first use)
 //   _C.bridge(obj, ...)   a communicator whose messages travel through a Python object (the torch
 //                         bridge of ringflash.distributed wraps a torch.distributed process group)
+//   _C.nccl_unique_id(), _C.nccl_communicator(id, rank, size, device, timeout), _C.nccl_world(comm, device)
+//                         the nccl transport, its id spread by the caller or over another communicator
 //
 // The bridge object has two methods, called with the GIL held:
 //   send_recv(ops) -> handle   ops is a list of (is_send, peer, buffer): peer is a rank of the
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -228,7 +231,7 @@ std::shared_ptr<Communicator> split_shared(const std::shared_ptr<Communicator>& 
 
 void init_comm(nb::module_& m) {
   nb::class_<CommHandle>(m, "Communicator",
-                         "A ringflash communicator (mpi, torch bridge, or a view of some of their ranks).")
+                         "A ringflash communicator (mpi, nccl, torch bridge, or a view of some of their ranks).")
       .def_prop_ro("rank", [](const CommHandle& c) { return c.comm->rank(); })
       .def_prop_ro("size", [](const CommHandle& c) { return c.comm->size(); })
       .def_prop_ro("transport", [](const CommHandle& c) { return c.comm->transport(); })
@@ -278,6 +281,12 @@ void init_comm(nb::module_& m) {
           "stats", [](const CommHandle& c) { return std::make_tuple(c.comm->stats().bytes_sent, c.comm->stats().wait_seconds); },
           "(bytes sent, seconds spent waiting) since the last reset_stats().")
       .def("reset_stats", [](CommHandle& c) { c.comm->reset_stats(); })
+      .def_prop_ro("stream_ordered", [](const CommHandle& c) { return c.comm->stream_ordered(); },
+                   "Whether operations are enqueued on a CUDA stream rather than finished before returning (nccl).")
+      .def(
+          "synchronize", [](CommHandle& c) { c.comm->synchronize(); }, nb::call_guard<nb::gil_scoped_release>(),
+          "Blocks until every operation posted on this communicator (and the stream of its last call) is done; "
+          "raises CommError if one failed or the deadline passed.")
       .def(
           "fail", [](CommHandle& c, const std::string& reason) { c.comm->fail(reason); }, "reason"_a,
           "Marks this rank failed: its peers' waits on it end with a CommError that gives the reason "
@@ -292,6 +301,38 @@ void init_comm(nb::module_& m) {
       [] { return CommHandle{std::shared_ptr<Communicator>(mpi_world())}; },
       nb::call_guard<nb::gil_scoped_release>(),
       "Every process of the mpiexec job, in MPI_COMM_WORLD's order. Raises NotSupported without MPI.");
+  m.def(
+      "nccl_unique_id",
+      [] {
+        const NcclUniqueId id = nccl_unique_id();
+        return nb::bytes(reinterpret_cast<const char*>(id.bytes), sizeof(id.bytes));
+      },
+      "A new NCCL unique id (bytes) for nccl_communicator. Raises NotSupported without NCCL.");
+  m.def(
+      "nccl_communicator",
+      [](nb::bytes id, int rank, int size, int device, double timeout) {
+        if (id.size() != sizeof(NcclUniqueId::bytes))
+          throw InvalidArgument("[nccl_communicator] id must have " + std::to_string(sizeof(NcclUniqueId::bytes)) +
+                                " bytes (from nccl_unique_id), got " + std::to_string(id.size()));
+        if (!(timeout > 0))
+          throw InvalidArgument("[nccl_communicator] timeout must be > 0 seconds, got " + std::to_string(timeout));
+        NcclUniqueId nid;
+        std::memcpy(nid.bytes, id.c_str(), sizeof(nid.bytes));
+        const auto t = std::chrono::milliseconds(static_cast<int64_t>(timeout * 1000.0 + 0.5));
+        nb::gil_scoped_release release;
+        return CommHandle{std::shared_ptr<Communicator>(nccl_communicator(nid, rank, size, device, t))};
+      },
+      "id"_a, "rank"_a, "size"_a, "device"_a, "timeout"_a = 300.0,
+      "Collective: the nccl communicator of `size` ranks that passed the same id, this one on CUDA device "
+      "`device`.");
+  m.def(
+      "nccl_world",
+      [](CommHandle& bootstrap, int device) {
+        return CommHandle{std::shared_ptr<Communicator>(nccl_communicator(*bootstrap.comm, device))};
+      },
+      "bootstrap"_a, "device"_a, nb::call_guard<nb::gil_scoped_release>(),
+      "Collective over `bootstrap` (e.g. mpi_world()): an nccl communicator of the same ranks, this one on CUDA "
+      "device `device`, with rank 0's unique id sent over `bootstrap`.");
   m.def(
       "bridge",
       [](nb::object obj, int rank, int size, int device_type, int device_id) {

@@ -16,10 +16,13 @@
 #include <climits>
 #include <cstddef>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "../core/check.h"
+#include "../kernels/ops.h"
 #include "strategy.h"
 
 namespace ringflash {
@@ -232,11 +235,15 @@ Problem check_local(const Call& c) {
                     " must have dtype float32, float16 or bfloat16, got ", dtype_name(t->dtype()));
     RINGFLASH_CHECK(t->dtype() == c.q.dtype(), InvalidArgument, c.op, " ", name, " must have q's dtype ",
                     dtype_name(c.q.dtype()), ", got ", dtype_name(t->dtype()));
-    RINGFLASH_CHECK(t->device().type == DeviceType::kCPU, NotSupported, c.op, " ", name, " is on ",
-                    device_name(t->device()), "; sequence-parallel attention runs on cpu tensors only so far");
+    RINGFLASH_CHECK(t->device() == c.q.device(), InvalidArgument, c.op, " ", name, " must be on ",
+                    device_name(c.q.device()), " like q, got ", device_name(t->device()));
     RINGFLASH_CHECK(t->stride(-1) == 1 || t->size(-1) <= 1, InvalidArgument, c.op, " ", name,
                     " must be contiguous in its last dimension (head_dim), got stride ", t->stride(-1));
   }
+  if (c.q.device().type == DeviceType::kCUDA)
+    for (const Communicator* comm : {c.group.world, c.group.ulysses, c.group.ring})
+      RINGFLASH_CHECK(!comm || comm->stream_ordered(), NotSupported, c.op,
+                      " CUDA tensors need a stream-ordered transport (nccl), got transport ", comm->transport());
   const int row_dim = prob.packed ? 0 : 1, head_dim = row_dim + 1;
   bool same_kv = true;
   for (int d = 0; d < rank; ++d) same_kv = same_kv && c.k.size(d) == c.v.size(d);
@@ -265,8 +272,8 @@ Problem check_local(const Call& c) {
   RINGFLASH_CHECK(lse_ok, InvalidArgument, c.op, " lse must have shape ", lse_shape, ", got ", c.lse.shape_string());
   RINGFLASH_CHECK(c.lse.dtype() == DType::kFloat32, InvalidArgument, c.op, " lse must have dtype float32, got ",
                   dtype_name(c.lse.dtype()));
-  RINGFLASH_CHECK(c.lse.device() == c.q.device(), InvalidArgument, c.op, " lse must be on cpu like q, got ",
-                  device_name(c.lse.device()));
+  RINGFLASH_CHECK(c.lse.device() == c.q.device(), InvalidArgument, c.op, " lse must be on ",
+                  device_name(c.q.device()), " like q, got ", device_name(c.lse.device()));
   RINGFLASH_CHECK(c.lse.stride(-1) == 1 || c.lse.size(-1) <= 1, InvalidArgument, c.op,
                   " lse must be contiguous in its last dimension, got stride ", c.lse.stride(-1));
   std::vector<std::pair<const TensorView*, const char*>> inputs{{&c.q, "q"}, {&c.k, "k"}, {&c.v, "v"}};
@@ -302,7 +309,8 @@ Problem check_local(const Call& c) {
     RINGFLASH_CHECK(local_cu.back() == prob.rows, InvalidArgument, c.op, " q must have ", local_cu.back(),
                     " rows: this rank's ", layout_name(c.layout()), " shards of the sequences in cu_seqlens_q, got ",
                     c.q.shape_string());
-    const TensorView cu(local_cu.data(), DType::kInt32, Device{}, {static_cast<int64_t>(local_cu.size())});
+    // Only its shape is checked on a GPU, so the host array stands in for one on q's device.
+    const TensorView cu(local_cu.data(), DType::kInt32, c.q.device(), {static_cast<int64_t>(local_cu.size())});
     local.cu_seqlens_q = cu;
     local.cu_seqlens_k = cu;
   }
@@ -465,6 +473,50 @@ void exchange(const Call& c, Communicator& comm, Descriptor& d, Round round, int
   if (!error.empty()) set_error(d, kInvalid, error);
 }
 
+// Verdicts the ranks of stream-ordered communicators agreed on: the global length, by the call's
+// descriptor and communicators. A call that matches one skips the exchange, which would make the
+// host wait for the GPU; a rank whose call differs from its peers' exchanges alone and ends with
+// CommError at its deadline instead of InvalidArgument.
+class Agreements {
+ public:
+  static std::string key(const Call& c, const Descriptor& d) {
+    std::string k(reinterpret_cast<const char*>(d.fields), sizeof(d.fields));
+    k.append(reinterpret_cast<const char*>(&d.rows), sizeof(d.rows));
+    for (const Communicator* comm : {c.group.world, c.group.ulysses, c.group.ring}) {
+      const int64_t id[3] = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(comm)), comm ? comm->rank() : -1,
+                             comm ? comm->size() : -1};
+      k.append(reinterpret_cast<const char*>(id), sizeof(id));
+    }
+    return k;
+  }
+  const int64_t* find(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [k, seqlen] : entries_)
+      if (k == key) return &seqlen;
+    return nullptr;
+  }
+  void add(std::string key, int64_t seqlen) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (entries_.size() == kMaxEntries) entries_.pop_front();
+    entries_.emplace_back(std::move(key), seqlen);
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 64;
+  std::mutex mutex_;
+  std::deque<std::pair<std::string, int64_t>> entries_;  // stable addresses
+};
+
+Agreements& agreements() {
+  static Agreements a;
+  return a;
+}
+
+bool stream_ordered(const ParallelGroup& g) {
+  const Communicator* comm = g.world ? g.world : g.ring;
+  return comm->stream_ordered();
+}
+
 // Validates on every rank and across ranks; every rank returns the Problem or throws the same error.
 Problem prepare(const Call& c) {
   Descriptor d = describe(c);
@@ -476,6 +528,17 @@ Problem prepare(const Call& c) {
   } catch (const NotSupported& e) {
     set_error(d, kUnsupported, str_cat(e.what(), " (on ", c.rank_name(), ")"));
   }
+  const bool remembered = d.error_kind == kOk && stream_ordered(c.group);
+  const std::string key = remembered ? Agreements::key(c, d) : std::string();
+  if (remembered) {
+    if (const int64_t* seqlen = agreements().find(key)) {
+      prob.seqlen = *seqlen;
+      return prob;
+    }
+    RINGFLASH_CHECK(!kernels::capturing(c.q.device(), c.params.stream), InvalidArgument, c.op,
+                    " a call captured into a CUDA graph must follow the same call outside the capture (the ranks "
+                    "agree on their arguments there), on ", c.rank_name());
+  }
   int64_t seqlen = 0;
   if (c.hybrid()) {
     exchange(c, *c.group.ulysses, d, Round::kUlysses, seqlen);
@@ -486,6 +549,7 @@ Problem prepare(const Call& c) {
   }
   if (d.error_kind != kOk) throw_error(d);
   prob.seqlen = prob.packed ? 0 : seqlen;
+  if (remembered) agreements().add(key, prob.seqlen);
   return prob;
 }
 
@@ -519,6 +583,8 @@ void run(Call c) {
   const char* name = strategy_name(c.strategy);
   check_group(name, c.strategy, c.group);
   c.op = str_cat("[", name, c.backward ? " backward]" : "]");
+  for (Communicator* comm : {c.group.world, c.group.ulysses, c.group.ring})
+    if (comm) comm->set_stream(c.params.stream);
   const Problem prob = prepare(c);
   dispatch(c, prob);
 }
