@@ -8,7 +8,8 @@
 #   make train       a small Llama trains with every strategy over 4 CPU ranks (torchrun, gloo)
 #   make test        C++ tests (ctest), then Python tests (pytest)
 #   make test-asan   C++ tests built with AddressSanitizer and UBSan in build-asan/
-#   make cuda-check  compiles the library with CUDA in build-cuda/ when nvcc is present
+#   make cuda-check  compiles the library with CUDA and NCCL (headers from pip's nvidia-nccl-cu13) in
+#                    build-cuda/ when nvcc is present
 #   make bench       CPU benchmark against torch SDPA (full sweep)
 #   make example     installs the library and builds and runs examples/cpp through find_package
 #   make clean       removes the build directories
@@ -40,6 +41,7 @@ TRANSFORMERS_VERSION := 5.23.0
 APT_PACKAGES := cmake ninja-build g++ libgtest-dev googletest libopenmpi-dev openmpi-bin
 PIP_PACKAGES := torch==$(TORCH_VERSION) transformers==$(TRANSFORMERS_VERSION) nanobind scikit-build-core ninja \
                 pytest numpy
+NCCL_PACKAGE := nvidia-nccl-cu13==2.32.3
 PIP_IMPORTS := torch, transformers, nanobind, scikit_build_core, ninja, pytest, numpy
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -124,7 +126,8 @@ cuda-check: setup-system
 	if [ -z "$$nvcc" ]; then echo "cuda-check: skipped, nvcc is not in PATH or /usr/local/cuda/bin"; exit 0; fi; \
 	echo "cuda-check: $$nvcc ($$($$nvcc --version | grep -o 'release [0-9.]*'))"; \
 	set -x; \
-	cmake -S . -B $(CUDA_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DRINGFLASH_CUDA=ON \
+	$(PYTHON) -c "import nvidia.nccl" 2>/dev/null || $(PYTHON) -m pip install -q --root-user-action=ignore $(NCCL_PACKAGE); \
+	cmake -S . -B $(CUDA_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DRINGFLASH_CUDA=ON -DRINGFLASH_NCCL=ON \
 	  -DCMAKE_CUDA_COMPILER=$$nvcc -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHITECTURES)" \
 	  -DRINGFLASH_BUILD_TESTS=OFF -DRINGFLASH_BUILD_BENCH=OFF -DRINGFLASH_BUILD_PYTHON=OFF; \
 	echo '*' > $(CUDA_DIR)/.gitignore; \
