@@ -309,7 +309,11 @@ class NcclCommunicator : public Communicator {
         device_(device) {
     timeout_ = timeout;
     cuda::DeviceGuard guard(device_);
-    RINGFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+    // The comm stream has the highest priority: its kernels take the first SMs that the attention
+    // kernels free, so transfers overlap compute instead of waiting for a whole kernel.
+    int least = 0, greatest = 0;
+    RINGFLASH_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    RINGFLASH_CUDA_CHECK(cudaStreamCreateWithPriority(&comm_stream_, cudaStreamNonBlocking, greatest));
     RINGFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&control_stream_, cudaStreamNonBlocking));
   }
 
@@ -317,8 +321,8 @@ class NcclCommunicator : public Communicator {
     const int previous = current_device();
     if (previous != device_) cudaSetDevice(device_);
     const Clock::time_point deadline = Clock::now() + timeout_;
+    control_.close(deadline);  // split from data_: closed first
     data_.close(deadline);
-    control_.close(deadline);
     if (staging_) cudaFree(staging_);
     cudaStreamDestroy(comm_stream_);
     cudaStreamDestroy(control_stream_);
@@ -552,16 +556,17 @@ class NcclCommunicator : public Communicator {
       enqueue(c, ops, control_stream_, &data);
       return ncclGroupEnd();
     });
-    for (size_t i = 0; i < ops.size(); ++i)
-      if (ops[i].kind == P2POp::Kind::kRecv && ops[i].bytes > 0)
-        RINGFLASH_CUDA_CHECK(
-            cudaMemcpyAsync(ops[i].data, data[i], ops[i].bytes, cudaMemcpyDeviceToHost, control_stream_));
+    // The copies back start once the messages are in: a copy into pageable memory blocks the host
+    // until it is done, with no deadline.
     cudaEvent_t done = record(control_stream_);
     const std::string error = poll(done, deadline, late);
     cudaEventDestroy(done);
     if (!error.empty()) world_->fail(error);
     end_wait(start, "");
     world_->throw_if_failed();
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind == P2POp::Kind::kRecv && ops[i].bytes > 0)
+        RINGFLASH_CUDA_CHECK(cudaMemcpy(ops[i].data, data[i], ops[i].bytes, cudaMemcpyDeviceToHost));
   }
 
   std::shared_ptr<World> world_;
