@@ -141,6 +141,10 @@ class World {
 
   void watch() {
     cudaSetDevice(device_);
+    // Relaxed: another thread's capture in global mode would otherwise forbid this thread's
+    // cudaEventQuery (and invalidate that capture).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, kWatchdogInterval);
