@@ -174,7 +174,11 @@ def shard_positions(seqlen: int, strategy: str = "zigzag", group: Optional[Paral
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q):
+def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q, parallel):
+    """The keyword arguments of _C's calls. A strategy plans its shards from the global cu_seqlens on
+    the host (a copy from the GPU waits for it); the single-device kernels read them on q's device."""
+    if cu_seqlens is not None and parallel:
+        cu_seqlens = cu_seqlens.cpu()
     return dict(softmax_scale=softmax_scale, causal=causal, window_left=window_left, window_right=window_right,
                 softcap=softcap, alibi_slopes=_detach(alibi_slopes), cu_seqlens_q=cu_seqlens,
                 cu_seqlens_k=cu_seqlens, num_threads=torch.get_num_threads() if q.device.type == "cpu" else 0,
@@ -200,8 +204,9 @@ def parallel_forward(
     """(out, lse) of this rank's query shard; see the module docstring."""
     pg = ParallelGroup._registry[group]
     out, lse = _empty_outputs(q, packed=cu_seqlens is not None)
-    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
     kwargs = _group_kwargs(strategy, pg, q.device)
+    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q,
+                       kwargs is not None)
     if kwargs is None:
         _C.attention_forward(_detach(q), _detach(k), _detach(v), out, lse, **options)
     else:
@@ -238,9 +243,10 @@ def parallel_backward(
     """(dq, dk, dv) of this rank's shards, for the forward with the same arguments."""
     pg = ParallelGroup._registry[group]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q)
     tensors = (_detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv)
     kwargs = _group_kwargs(strategy, pg, q.device)
+    options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q,
+                       kwargs is not None)
     if kwargs is None:
         _C.attention_backward(*tensors, **options)
     else:
