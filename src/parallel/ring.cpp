@@ -22,6 +22,7 @@
 
 #include "../kernels/ops.h"
 #include "strategy.h"
+#include "views.h"
 
 namespace ringflash::parallel {
 namespace {
@@ -143,43 +144,6 @@ int ring_steps(const Geometry& g, const Band& band, const AttentionParams& base)
     }
   return last + 1;
 }
-
-// ---- views ------------------------------------------------------------------------------
-
-TensorView make_view(void* data, DType dtype, Device device, std::vector<int64_t> shape, std::vector<int64_t> strides) {
-  return TensorView(data, dtype, device, static_cast<int>(shape.size()), shape.data(), strides.data());
-}
-
-// A packed tensor as a batch of one: (T, H, D) -> (1, T, H, D), (H, T) -> (1, H, T).
-TensorView batched(const TensorView& t, bool packed) {
-  if (!packed) return t;
-  std::vector<int64_t> shape{1}, strides{0};
-  for (int d = 0; d < t.ndim(); ++d) {
-    shape.push_back(t.size(d));
-    strides.push_back(t.stride(d));
-  }
-  return make_view(t.data(), t.dtype(), t.device(), shape, strides);
-}
-
-// `count` entries of dimension `dim` from `start`.
-TensorView narrow(const TensorView& t, int dim, int64_t start, int64_t count) {
-  std::vector<int64_t> shape, strides;
-  for (int d = 0; d < t.ndim(); ++d) {
-    shape.push_back(d == dim ? count : t.size(d));
-    strides.push_back(t.stride(d));
-  }
-  const int64_t bytes = start * t.stride(dim) * static_cast<int64_t>(dtype_size(t.dtype()));
-  auto* data = static_cast<unsigned char*>(t.data()) + bytes;
-  return make_view(data, t.dtype(), t.device(), shape, strides);
-}
-
-// A contiguous (B, rows, H, D) tensor at `data`.
-TensorView contiguous(void* data, DType dtype, Device device, int64_t batch, int64_t rows, int64_t heads, int64_t dim) {
-  return make_view(data, dtype, device, {batch, rows, heads, dim}, {rows * heads * dim, heads * dim, dim, 1});
-}
-
-// The first `n` elements at `data` as a flat fp32 tensor.
-TensorView flat(void* data, Device device, int64_t n) { return make_view(data, DType::kFloat32, device, {n}, {1}); }
 
 // ---- the ring -----------------------------------------------------------------------------
 
