@@ -8,6 +8,9 @@
 // ring strategy runs over the ring group on them, and a second all-to-all brings out and lse back.
 // The ring is given fp32 gradient tensors and writes them in fp32, so a replicated KV head's
 // gradients are summed over the ulysses group before they are rounded to the input dtype.
+//
+// The joined rows the ring works on sit in the exchange's workspace, and the ring keeps its own
+// buffers in a workspace of its own, both on the tensors' device; the host never touches the data.
 #include <vector>
 
 #include "reshard.h"
