@@ -1,0 +1,328 @@
+"""ringflash.parallel_attention on 2 GPUs over ringflash's NCCL transport. Skipped unless there are
+2 CUDA devices and ringflash was built with CUDA and NCCL.
+
+Three worlds of 2 processes (torch.distributed backend "nccl", rank r on cuda:r), each started once:
+
+* accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid as 2 x 1 and 1 x 2 (ulysses x
+  ring), x {causal, window (300, 0), window (256, 64)} x {MHA 4/4, GQA 8/2} x lengths 1013 and
+  4097 (no multiple of 2P) x {fp16, bf16}, head dim 128, plus two cases at head dim 64; out, lse,
+  dq, dk and dv. Every rank builds the global inputs from a seed, computes the float64 reference
+  (reference.attention, on its own GPU) and the single-GPU result (ringflash.flash_attn_func on the
+  whole sequence), and checks its shard by DESIGN.md's rule with the single-GPU result as the
+  baseline:
+
+      max |parallel - reference| <= 2 * max |single GPU - reference| + ATOL[dtype]
+
+  (the lse, float32, with ATOL[float32]); NaN fails, and infinities must match. Failures are
+  collected, not raised, so that both ranks make the same calls; their count is summed over the
+  ranks (nccl-tests' CheckData), so every rank agrees on pass or fail. The world also says which
+  transport ran: it must be ringflash's own NCCL transport, not the torch bridge.
+* graph: a zigzag (then ulysses) forward+backward, warmed up eagerly, captured in a CUDA graph on
+  static inputs and replayed with new values copied into them, gives what an eager call on those
+  values gives (the forward bit for bit, the gradients up to the order of atomic adds).
+* fault: with RINGFLASH_COMM_TIMEOUT=5, rank 1 fails (raises and catches its own error) before its
+  second call and stays alive, silent, a little past the deadline; rank 0 makes that call and gets
+  a ringflash.CommError naming the op and rank 1 within the deadline plus slack (30 s), and
+  neither rank hangs. The group is not trusted
+  afterwards: its ranks leave with os._exit (dist_harness's hard_exit).
+
+One to two minutes on 2 H200 (estimated); every world has a hard time limit.
+"""
+
+import dataclasses
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflash
+from ringflash.distributed import communicator, selected
+from ringflash.parallel import init_process_groups, parallel_attention, shard_positions
+from dist_harness import run_world
+from reference import ATOL, F64, attention, max_error, rounded_randn
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.device_count() >= 2 and ringflash.has_cuda() and ringflash._C.has_nccl()),
+    reason="needs 2 CUDA devices and ringflash built with CUDA and NCCL")
+
+WORLD = 2
+# Never NVLink multicast (NVLS) on the device machines; a broken peer surfaces as a CommError
+# within a minute instead of the default 300 s deadline.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "RINGFLASH_COMM_TIMEOUT": "60"}
+FAULT_TIMEOUT_S = 5
+FAULT_SLACK_S = 25  # rank 0 must have its CommError within FAULT_TIMEOUT_S + FAULT_SLACK_S
+FAULT_PEER_GRACE_S = 3  # the silent rank stays alive this long past the deadline
+
+STRATEGIES = ["ring", "zigzag", "stripe", "allgather", "ulysses"]
+HYBRID = [(2, 1), (1, 2)]  # (ulysses_degree, ring_degree): the 2D layouts that 2 ranks allow
+MASKS = {
+    "causal": dict(causal=True, window=(-1, -1)),
+    "window(300,0)": dict(causal=False, window=(300, 0)),
+    "window(256,64)": dict(causal=False, window=(256, 64)),
+}
+HEADS = [(4, 4), (8, 2)]  # MHA, GQA 4:1
+LENGTHS = [1013, 4097]
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seqlen: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: str
+
+    def __str__(self):
+        return (f"S{self.seqlen}-H{self.heads}/{self.heads_kv}-D{self.head_dim}-{DTYPE_NAMES[self.dtype]}"
+                f"-{self.mask}")
+
+
+CASES = [Case(seqlen, heads, heads_kv, 128, dtype, mask)
+         for seqlen in LENGTHS for dtype in DTYPE_NAMES for mask in MASKS for heads, heads_kv in HEADS]
+CASES += [Case(1013, 8, 2, 64, torch.bfloat16, "causal"), Case(4097, 4, 4, 64, torch.float16, "window(256,64)")]
+RUNS_PER_CASE = len(STRATEGIES) + len(HYBRID)
+
+
+def _device(rank: int) -> torch.device:
+    return torch.device("cuda", rank)
+
+
+def _global_inputs(seqlen, heads, heads_kv, head_dim, dtype, seed, device):
+    """q, k, v and dout of the whole sequence, (1, S, H, D), the same on every rank; made on the CPU
+    from the seed (rounded to dtype), then moved to device."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1, seqlen, heads, head_dim), (1, seqlen, heads_kv, head_dim), (1, seqlen, heads_kv, head_dim),
+              (1, seqlen, heads, head_dim)]
+    return [rounded_randn(shape, dtype, g).to(device) for shape in shapes]
+
+
+def _failed_everywhere(failures, device) -> int:
+    """The number of failures summed over the ranks of the default group."""
+    count = torch.tensor([len(failures)], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    return int(count.item())
+
+
+def _pass_rule(name, got, ref, single, dtype):
+    """None if `got` passes DESIGN.md's rule with the single-GPU result as the baseline, else why not."""
+    got, ref, single = got.detach(), ref.detach(), single.detach()
+    if got.shape != ref.shape:
+        return f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    if torch.isnan(got).any():
+        return f"{name}: {int(torch.isnan(got).sum())} NaN entries"
+    inf_got, inf_ref = torch.isinf(got), torch.isinf(ref)
+    if not (torch.equal(inf_got, inf_ref) and torch.equal(got[inf_got].to(F64), ref[inf_ref])):
+        return f"{name}: infinities differ: {int(inf_got.sum())} in ringflash, {int(inf_ref.sum())} in the reference"
+    err, err_single = max_error(got, ref), max_error(single, ref)
+    bound = 2 * err_single + ATOL[dtype]
+    if err > bound:
+        return (f"{name} ({dtype}): max |parallel - reference| = {err:.3g} > {bound:.3g} = 2 * {err_single:.3g} "
+                f"(single GPU) + {ATOL[dtype]:g}")
+    return None
+
+
+class SingleGpuReference:
+    """One global case on this rank's GPU: the float64 reference and ringflash's single-GPU result
+    (out, lse, dq, dk, dv of each), against which every strategy's shard is checked."""
+
+    def __init__(self, case: Case, seed: int, device: torch.device):
+        self.case = case
+        self.mask = MASKS[case.mask]
+        self.q, self.k, self.v, self.dout = _global_inputs(case.seqlen, case.heads, case.heads_kv, case.head_dim,
+                                                           case.dtype, seed, device)
+        # reference.attention makes its index masks with factory functions: on this GPU here.
+        with torch.device(device):
+            xs = [t.to(F64).requires_grad_() for t in (self.q, self.k, self.v)]
+            out, lse = attention(*xs, dtype=F64, **self.mask)
+            out.backward(self.dout.to(F64))
+        self.reference = [out.detach(), lse.detach()] + [x.grad for x in xs]
+        del out, lse, xs
+        xs = [t.clone().requires_grad_() for t in (self.q, self.k, self.v)]
+        out, lse = ringflash.flash_attn_func(*xs, causal=self.mask["causal"], window_size=self.mask["window"],
+                                             return_softmax_lse=True)
+        out.backward(self.dout)
+        self.single = [out.detach(), lse.detach()] + [x.grad for x in xs]
+
+    def check(self, strategy, group, positions, what):
+        """Runs the strategy on this rank's shard (global rows `positions`), forward and backward;
+        returns the list of what failed (empty if everything passed)."""
+        pos = positions.to(self.q.device)
+        xs = [t[:, pos].clone().requires_grad_() for t in (self.q, self.k, self.v)]  # (1, S, H, D) -> (1, S_l, H, D)
+        out, lse = parallel_attention(*xs, strategy, group, causal=self.mask["causal"],
+                                      window_size=self.mask["window"], return_lse=True)
+        out.backward(self.dout[:, pos])
+        got = [out, lse] + [x.grad for x in xs]
+        problems = []
+        if out.dtype != self.case.dtype or lse.dtype != torch.float32:
+            problems.append(f"{what}: out {out.dtype} and lse {lse.dtype}, expected {self.case.dtype} and float32")
+        for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
+            if got[i] is None:
+                problems.append(f"{what} {name}: no gradient reached the input")
+                continue
+            rows = (lambda t: t[..., pos]) if name == "lse" else (lambda t: t[:, pos])  # lse (B, H, S)
+            problem = _pass_rule(f"{what} {name}", got[i], rows(self.reference[i]), rows(self.single[i]),
+                                 torch.float32 if name == "lse" else self.case.dtype)
+            if problem:
+                problems.append(problem)
+        return problems
+
+
+def _accuracy_body(rank, world):
+    device = _device(rank)
+    # Made once, by every rank in the same order: each group is a communicator of its own.
+    runs = [(strategy, None, strategy) for strategy in STRATEGIES]
+    runs += [("hybrid", init_process_groups(ulysses, ring), f"hybrid {ulysses}x{ring}") for ulysses, ring in HYBRID]
+    transport = dict(selected=selected(device), communicator=communicator(None, device).transport)
+    failures, checked = [], 0
+    for seed, case in enumerate(CASES):
+        ref = SingleGpuReference(case, seed, device)
+        for strategy, group, name in runs:
+            positions = shard_positions(case.seqlen, strategy, group, device=device)
+            what = f"{name} P={world} {case}"
+            try:
+                failures += ref.check(strategy, group, positions, what)
+            except (ringflash.InvalidArgument, ringflash.NotSupported) as e:
+                # Refused before anything is sent, on both ranks alike (the same shapes and options).
+                failures.append(f"{what}: {type(e).__name__}: {e}")
+            checked += 1
+        del ref
+    return dict(transport=transport, checked=checked, failures=failures,
+                failed_everywhere=_failed_everywhere(failures, device))
+
+
+@pytest.fixture(scope="module")
+def accuracy():
+    return run_world(WORLD, _accuracy_body, backend="nccl", env=GPU_ENV, timeout=420)
+
+
+def test_the_nccl_transport_runs(accuracy):
+    for result in accuracy:
+        assert result["transport"] == {"selected": {"transport": "nccl", "kernel": "cuda"}, "communicator": "nccl"}
+
+
+def test_every_strategy_matches_the_single_gpu_result(accuracy):
+    assert [r["checked"] for r in accuracy] == [len(CASES) * RUNS_PER_CASE] * WORLD
+    totals = {r["failed_everywhere"] for r in accuracy}
+    assert len(totals) == 1, f"the ranks disagree on the failure count: {totals}"
+    failures = [f"rank {rank}: {f}" for rank, r in enumerate(accuracy) for f in r["failures"]]
+    assert totals == {0} and not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+
+
+GRAPH_STRATEGIES = ["zigzag", "ulysses"]
+GRAPH_CASE = Case(4097, 8, 2, 128, torch.bfloat16, "causal")
+
+
+def _graph_body(rank, world):
+    device = _device(rank)
+    case = GRAPH_CASE
+    failures = []
+    for strategy in GRAPH_STRATEGIES:
+        pos = shard_positions(case.seqlen, strategy, device=device).to(device)
+        # Capture, then two replays with other values; one dout throughout.
+        values = [[t[:, pos] for t in _global_inputs(case.seqlen, case.heads, case.heads_kv, case.head_dim,
+                                                     case.dtype, seed, device)] for seed in (40, 41, 42)]
+        dout = values[0][3]
+        static = [t.clone().requires_grad_() for t in values[0][:3]]
+
+        def attend(q, k, v, strategy=strategy):
+            return parallel_attention(q, k, v, strategy, causal=True, return_lse=True)
+
+        def step():
+            out, lse = attend(*static)
+            out.backward(dout)
+            return out, lse
+
+        # Warm up on a side stream (torch.cuda.graphs: whole-network capture), then capture with the
+        # gradients unset, so that the graph allocates them and later replays overwrite them.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for t in static:
+                    t.grad = None
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        for t in static:
+            t.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out, static_lse = step()
+
+        replayed_outs = []
+        for new in values[1:]:
+            with torch.no_grad():
+                for t, value in zip(static, new[:3]):
+                    t.copy_(value)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = [static_out.detach().clone(), static_lse.detach().clone()] + [t.grad.clone() for t in static]
+            xs = [t.clone().requires_grad_() for t in new[:3]]
+            out, lse = attend(*xs)
+            out.backward(dout)
+            eager = [out.detach(), lse.detach()] + [x.grad for x in xs]
+            for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), replayed, eager):
+                if name in ("out", "lse"):
+                    if not torch.equal(got, expected):
+                        failures.append(f"{strategy} {name}: the replay differs from the eager call by "
+                                        f"{(got.float() - expected.float()).abs().max().item():.3g}")
+                else:  # atomics may add in another order: last-bit differences only
+                    try:
+                        torch.testing.assert_close(got, expected)
+                    except AssertionError as e:
+                        failures.append(f"{strategy} {name}: the replay differs from the eager call: {e}")
+            replayed_outs.append(replayed[0])
+        # The replays saw different inputs, so a graph that ignored its inputs would fail here.
+        if torch.equal(replayed_outs[0], replayed_outs[1]):
+            failures.append(f"{strategy}: two replays on different inputs gave the same out")
+        del graph
+    return dict(failures=failures, failed_everywhere=_failed_everywhere(failures, device))
+
+
+def test_cuda_graph_capture_and_replay():
+    results = run_world(WORLD, _graph_body, backend="nccl", env=GPU_ENV, timeout=240)
+    failures = [f"rank {rank}: {f}" for rank, r in enumerate(results) for f in r["failures"]]
+    assert [r["failed_everywhere"] for r in results] == [0] * WORLD and not failures, "\n".join(failures)
+
+
+def _fault_body(rank, world):
+    device = _device(rank)
+    seqlen = 1013
+    pos = shard_positions(seqlen, "zigzag", device=device).to(device)
+    q, k, v = (t[:, pos] for t in _global_inputs(seqlen, 4, 4, 128, torch.bfloat16, 50, device)[:3])
+    comm = communicator(None, device)
+    # One call that both ranks make, so that the communicator exists (its setup is collective) and
+    # works before the fault.
+    parallel_attention(q, k, v, "zigzag", causal=True)
+    comm.synchronize()
+    start = time.monotonic()
+    if rank == 1:
+        try:
+            raise RuntimeError("rank 1 fails before its send")
+        except RuntimeError as e:
+            # Silent, not gone: alive until rank 0's deadline has passed, so that rank 0 meets the
+            # deadline rather than a closed connection.
+            time.sleep(FAULT_TIMEOUT_S + FAULT_PEER_GRACE_S)
+            return dict(error=str(e), seconds=time.monotonic() - start)
+    try:
+        parallel_attention(q, k, v, "zigzag", causal=True)
+        comm.synchronize()  # stream-ordered: the wait, and so the error, may come only here
+    except ringflash.CommError as e:
+        return dict(message=str(e), seconds=time.monotonic() - start, timeout=comm.timeout)
+    return dict(message=None, seconds=time.monotonic() - start, timeout=comm.timeout)
+
+
+def test_a_silent_peer_ends_in_a_comm_error_at_the_deadline():
+    env = dict(GPU_ENV, RINGFLASH_COMM_TIMEOUT=str(FAULT_TIMEOUT_S))
+    # A hang of either rank fails the test at the harness's limit.
+    waiting, silent = run_world(WORLD, _fault_body, backend="nccl", env=env, hard_exit=True, timeout=150)
+    assert silent["error"] == "rank 1 fails before its send"
+    assert waiting["timeout"] == FAULT_TIMEOUT_S
+    message = waiting["message"]
+    assert message is not None, f"rank 0 got no error after {waiting['seconds']:.1f} s from a peer that never sent"
+    assert re.match(r"\[\w+\]", message), f"the message does not name the op: {message}"
+    assert re.search(r"\brank 1\b(?! of)", message), f"the message does not name the peer, rank 1: {message}"
+    assert waiting["seconds"] < FAULT_TIMEOUT_S + FAULT_SLACK_S, (waiting["seconds"], message)
