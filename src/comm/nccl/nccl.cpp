@@ -258,6 +258,15 @@ ncclConfig_t nonblocking_config() {
 
 // ---- the communicator ---------------------------------------------------------------------
 
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  RINGFLASH_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Device memory as CUDA reports it. Memory that a graph being captured allocates is not mapped yet
+// (CUDA cannot tell), so callers take everything for device memory under capture, where host
+// memory cannot be sent anyway.
 bool is_device_memory(const void* p) {
   if (!p) return false;
   cudaPointerAttributes attributes{};
@@ -359,16 +368,17 @@ class NcclCommunicator : public Communicator {
   std::unique_ptr<CommRequest> send_recv(const std::vector<P2POp>& ops) override {
     check_ops("send_recv", ops);
     world_->throw_if_failed();
+    cuda::DeviceGuard guard(device_);
+    const bool capturing = is_capturing(static_cast<cudaStream_t>(stream_));
     bool device = false, host = false;
     for (const P2POp& op : ops) {
       if (op.bytes == 0) continue;
-      (is_device_memory(op.data) ? device : host) = true;
+      (capturing || is_device_memory(op.data) ? device : host) = true;
     }
     RINGFLASH_CHECK(!(device && host), InvalidArgument, prefix("send_recv"),
                     "the buffers of one call must all be in device memory or all in host memory");
     for (const P2POp& op : ops)
       if (op.kind == P2POp::Kind::kSend && op.peer != rank_) stats_.bytes_sent += op.bytes;
-    cuda::DeviceGuard guard(device_);
     if (host) {
       exchange_host("send_recv", ops);
       return std::make_unique<DoneRequest>();
@@ -379,7 +389,7 @@ class NcclCommunicator : public Communicator {
   // Device memory: every message, this rank's own part included, in one stream-ordered group.
   void all_to_all(const void* send, const std::vector<size_t>& send_bytes, const std::vector<size_t>& send_offsets,
                   void* recv, const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets) override {
-    if (!is_device_memory(send) && !is_device_memory(recv))
+    if (!in_device_memory(send, recv))
       return Communicator::all_to_all(send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
     constexpr const char* kOp = "all_to_all";
     for (const auto* v : {&send_bytes, &send_offsets, &recv_bytes, &recv_offsets})
@@ -395,7 +405,7 @@ class NcclCommunicator : public Communicator {
   }
 
   void all_gather(const void* send, void* recv, const std::vector<size_t>& bytes) override {
-    if (!is_device_memory(send) && !is_device_memory(recv)) return Communicator::all_gather(send, recv, bytes);
+    if (!in_device_memory(send, recv)) return Communicator::all_gather(send, recv, bytes);
     constexpr const char* kOp = "all_gather";
     RINGFLASH_CHECK(bytes.size() == static_cast<size_t>(size_), InvalidArgument, prefix(kOp),
                     "bytes must have one entry per rank (", size_, "), got ", bytes.size());
@@ -410,7 +420,7 @@ class NcclCommunicator : public Communicator {
   }
 
   void reduce_scatter(const float* send, float* recv, const std::vector<size_t>& counts) override {
-    RINGFLASH_CHECK(!is_device_memory(send) && !is_device_memory(recv), NotSupported, prefix("reduce_scatter"),
+    RINGFLASH_CHECK(!in_device_memory(send, recv), NotSupported, prefix("reduce_scatter"),
                     "the nccl transport sums host memory only");
     Communicator::reduce_scatter(send, recv, counts);
   }
@@ -451,6 +461,12 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  // Whether a collective's buffers are in device memory (all of them under graph capture).
+  bool in_device_memory(const void* send, const void* recv) {
+    cuda::DeviceGuard guard(device_);
+    return is_capturing(static_cast<cudaStream_t>(stream_)) || is_device_memory(send) || is_device_memory(recv);
+  }
+
   static int current_device() {
     int d = -1;
     cudaGetDevice(&d);
@@ -510,9 +526,7 @@ class NcclCommunicator : public Communicator {
       return ncclGroupEnd();
     });
     cudaEvent_t done = record(comm_stream_);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    RINGFLASH_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) {
+    if (!is_capturing(stream)) {
       cudaEvent_t watched = record(comm_stream_);
       world_->watch(watched, deadline, late);
     }
@@ -531,9 +545,7 @@ class NcclCommunicator : public Communicator {
   // Host memory, over the control channel through the staging buffer; the host waits.
   void exchange_host(const char* op, const std::vector<P2POp>& ops) {
     const Clock::time_point start = Clock::now(), deadline = start + timeout_;
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    RINGFLASH_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_), &capture));
-    RINGFLASH_CHECK(capture == cudaStreamCaptureStatusNone, InvalidArgument, prefix(op),
+    RINGFLASH_CHECK(!is_capturing(static_cast<cudaStream_t>(stream_)), InvalidArgument, prefix(op),
                     "messages in host memory cannot be sent while the stream is captured into a CUDA graph");
     size_t total = 0;
     std::vector<size_t> offsets;
