@@ -104,7 +104,8 @@ void check_geometry(const Geometry& g, DType src_dtype, DType dst_dtype, Op&& op
   for_each_index(g, [&](int64_t s, int64_t d) {
     want[d] = round_to(dst_dtype, expected(load_element(src.data(), src_dtype, s), want[d]));
   });
-  op(view(src, src_dtype, g.shape, g.src_strides, g.src_offset), view(dst, dst_dtype, g.shape, g.dst_strides, g.dst_offset));
+  op(view(src, src_dtype, g.shape, g.src_strides, g.src_offset),
+     view(dst, dst_dtype, g.shape, g.dst_strides, g.dst_offset));
   for (int64_t i = 0; i < dst_n; ++i) EXPECT_EQ(load_element(dst.data(), dst_dtype, i), want[i]) << "element " << i;
 }
 
@@ -139,7 +140,8 @@ TEST(OpsCopy, SameDtypeIsABitCopyOfAnyDtype) {
 TEST(OpsAdd, StridedViewsMatchTheReference) {
   for (const Geometry& g : geometries())
     check_geometry(
-        g, DType::kFloat32, DType::kFloat32, [](const TensorView& s, const TensorView& d) { kernels::add(s, d, nullptr); },
+        g, DType::kFloat32, DType::kFloat32,
+        [](const TensorView& s, const TensorView& d) { kernels::add(s, d, nullptr); },
         [](double x, double old) { return static_cast<double>(static_cast<float>(old) + static_cast<float>(x)); });
 }
 
@@ -155,7 +157,8 @@ TEST(OpsFill, NoElementsWithNullData) {
   kernels::fill(TensorView(nullptr, DType::kFloat16, kCpu, {0, 3}), 1.0f, nullptr);
   kernels::copy(TensorView(nullptr, DType::kFloat32, kCpu, {2, 0}), TensorView(nullptr, DType::kBFloat16, kCpu, {2, 0}),
                 nullptr);
-  kernels::add(TensorView(nullptr, DType::kFloat32, kCpu, {0}), TensorView(nullptr, DType::kFloat32, kCpu, {0}), nullptr);
+  kernels::add(TensorView(nullptr, DType::kFloat32, kCpu, {0}), TensorView(nullptr, DType::kFloat32, kCpu, {0}),
+               nullptr);
 }
 
 // ---- conversions -----------------------------------------------------------------------------
