@@ -2,7 +2,7 @@
 //
 // At step s rank r holds the K/V of rank (r - s) mod P and runs the single-device kernel, in
 // accumulate mode, on every pair (query piece of r, key piece of that rank) that the mask does
-// not leave empty. Forward merges into fp32 (out, lse); backward adds into fp32 dq (local), into
+// not leave empty, in one call for all of them where one call sees what the pairs see. Forward merges into fp32 (out, lse); backward adds into fp32 dq (local), into
 // this rank's own fp32 dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a
 // partial starts on the rank after its K/V's home, travels with the K/V, and its last hop lands at
 // home, where it is added to that rank's own (P - 1 hops, as the K/V make). The transfer for
@@ -130,6 +130,43 @@ std::optional<AttentionParams> pair_params(const AttentionParams& base, const Ba
   return params;
 }
 
+// Rows [row, row + count) of a batched tensor: the query or key block of one kernel call.
+struct Block {
+  int64_t row = 0, count = 0;
+};
+
+// The rows of runs[first..last], which are consecutive.
+Block block_of(const std::vector<Run>& runs, size_t first, size_t last) {
+  return {runs[first].row, runs[last].row + runs[last].piece.count - runs[first].row};
+}
+
+// Whether one kernel call over query runs qs[qa..qb] and key runs ks[ka..kb] (stride 1), with
+// positions laid out linearly from the first runs' starts, sees exactly what the calls per pair
+// would. In that call a pair's pk - pq is shifted by D, the difference between the linear layout
+// and the pieces' true positions; the pair keeps its visible part of the range of pk - pq it spans
+// iff the band cut of that range is the same with and without the shift. ALiBi reads distances,
+// so with it a pair that sees anything needs D = 0.
+bool same_visibility(const Band& band, bool alibi, const std::vector<Run>& qs, size_t qa, size_t qb,
+                     const std::vector<Run>& ks, size_t ka, size_t kb) {
+  constexpr int64_t kFar = int64_t{1} << 60;
+  const int64_t lo = band.left ? -*band.left : -kFar, hi = band.right ? *band.right : kFar;
+  for (size_t i = qa; i <= qb; ++i)
+    for (size_t j = ka; j <= kb; ++j) {
+      const Piece& q = qs[i].piece;
+      const Piece& k = ks[j].piece;
+      const int64_t shift_q = qs[qa].piece.start + (qs[i].row - qs[qa].row) - q.start;
+      const int64_t shift_k = ks[ka].piece.start + (ks[j].row - ks[ka].row) - k.start;
+      const int64_t d = shift_k - shift_q;
+      const int64_t first = k.start - (q.start + q.count - 1), last = k.start + k.count - 1 - q.start;
+      const int64_t a = std::max(first, lo), b = std::min(last, hi);
+      const int64_t a2 = std::max(first, lo - d), b2 = std::min(last, hi - d);
+      const bool seen = a <= b;
+      if (seen != (a2 <= b2)) return false;
+      if (seen && (a != a2 || b != b2 || (alibi && d != 0))) return false;
+    }
+  return true;
+}
+
 // Steps of the ring that some rank needs: 1 + the largest s for which a rank sees a key of rank
 // (r - s) mod P. Every rank computes the same number from the layout.
 int ring_steps(const Geometry& g, const Band& band, const AttentionParams& base) {
@@ -187,7 +224,7 @@ class Ring {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
+      for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
         attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(acc, q), lse_rows(lse, q), params);
       });
       if (kv_in) kv_in->wait();
@@ -230,7 +267,7 @@ class Ring {
       unsigned char* target = s == 0 ? own : s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
       bool computed = false;
-      for_each_pair(src, [&](const Run& q, const Run& k, const AttentionParams& params) {
+      for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
         if (!computed) {
           kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
           computed = true;
@@ -279,15 +316,37 @@ class Ring {
   // Elements of one of K, V, dK, dV of `rank`'s rows.
   int64_t rows_elements(int rank) const { return geo_.batch * geo_.rows[rank] * p_.heads_kv * p_.head_dim; }
 
-  // Calls fn(query run, key run, kernel params) for every pair of this rank's query pieces and
-  // `src`'s key pieces that the mask does not leave empty.
+  // Calls fn(query block, key block, kernel params) for the kernel calls of a step against `src`'s
+  // K/V: per group, one call over every pair of this rank's query pieces and `src`'s key pieces
+  // that the mask does not leave empty when one call sees what they see (zigzag's steps always),
+  // else one call per pair. Fewer, larger calls leave the GPU idle less at their ends.
   template <typename Fn>
-  void for_each_pair(int src, Fn&& fn) const {
+  void for_each_call(int src, Fn&& fn) const {
     for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
-      for (const Run& q : geo_.runs[rank_][group])
-        for (const Run& k : geo_.runs[src][group])
-          if (const auto params = pair_params(base, band_, q.piece, k.piece, geo_.stride)) fn(q, k, *params);
+      const std::vector<Run>& qs = geo_.runs[rank_][group];
+      const std::vector<Run>& ks = geo_.runs[src][group];
+      struct Pair {
+        size_t q, k;
+        AttentionParams params;
+      };
+      std::vector<Pair> pairs;
+      size_t qa = qs.size(), qb = 0, ka = ks.size(), kb = 0;
+      for (size_t i = 0; i < qs.size(); ++i)
+        for (size_t j = 0; j < ks.size(); ++j)
+          if (auto params = pair_params(base, band_, qs[i].piece, ks[j].piece, geo_.stride)) {
+            pairs.push_back({i, j, std::move(*params)});
+            qa = std::min(qa, i), qb = std::max(qb, i), ka = std::min(ka, j), kb = std::max(kb, j);
+          }
+      if (pairs.size() > 1 && geo_.stride == 1 &&
+          same_visibility(band_, base.alibi_slopes.has_value(), qs, qa, qb, ks, ka, kb)) {
+        AttentionParams params = base;
+        params.q_offset = qs[qa].piece.start;
+        params.k_offset = ks[ka].piece.start;
+        fn(block_of(qs, qa, qb), block_of(ks, ka, kb), params);
+        continue;
+      }
+      for (const Pair& pair : pairs) fn(block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params);
     }
   }
 
@@ -305,8 +364,8 @@ class Ring {
     return params;
   }
 
-  TensorView rows(const TensorView& t, const Run& run) const { return narrow(t, 1, run.row, run.piece.count); }
-  TensorView lse_rows(const TensorView& lse, const Run& run) const { return narrow(lse, 2, run.row, run.piece.count); }
+  static TensorView rows(const TensorView& t, const Block& b) { return narrow(t, 1, b.row, b.count); }
+  static TensorView lse_rows(const TensorView& lse, const Block& b) { return narrow(lse, 2, b.row, b.count); }
 
   // A contiguous fp32 tensor shaped like `like`, in the workspace at `offset`.
   TensorView accumulator(size_t offset, const TensorView& like) const {

@@ -55,6 +55,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kPollInterval = std::chrono::microseconds(50);
 constexpr auto kWatchdogInterval = std::chrono::milliseconds(10);
+constexpr auto kSynchronizeGrace = std::chrono::seconds(1);
 
 double seconds(std::chrono::milliseconds t) { return std::chrono::duration<double>(t).count(); }
 
@@ -444,7 +445,9 @@ class NcclCommunicator : public Communicator {
   void synchronize() override {
     world_->throw_if_failed();
     cuda::DeviceGuard guard(device_);
-    const Clock::time_point start = Clock::now(), deadline = start + timeout_;
+    // A grace past the deadline: an operation late by its own deadline is the watchdog's to report,
+    // with its op and peer.
+    const Clock::time_point start = Clock::now(), deadline = start + timeout_ + kSynchronizeGrace;
     for (cudaStream_t s : {comm_stream_, static_cast<cudaStream_t>(stream_)}) {
       cudaEvent_t done = record(s);
       const std::string late = str_cat(prefix("synchronize"), "operations in flight did not complete within ",
