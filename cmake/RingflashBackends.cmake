@@ -63,6 +63,11 @@ if(RINGFLASH_WITH_CUDA AND NOT RINGFLASH_NCCL STREQUAL "OFF")
   endif()
 endif()
 _ringflash_resolve(NCCL _nccl_found)
+if(RINGFLASH_WITH_NCCL)
+  # pip's libnccl.so.2 is on no loader path (torch's CUDA builds load it; CPU builds do not).
+  get_filename_component(_nccl_lib_dir ${NCCL_LIBRARY} DIRECTORY)
+  list(APPEND CMAKE_INSTALL_RPATH ${_nccl_lib_dir})
+endif()
 
 message(STATUS "ringflash backends: CUDA=${RINGFLASH_WITH_CUDA} MPI=${RINGFLASH_WITH_MPI} NCCL=${RINGFLASH_WITH_NCCL}")
 
