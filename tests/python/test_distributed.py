@@ -26,13 +26,22 @@ def test_selected_without_torch_distributed(monkeypatch):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("RINGFLASH_TRANSPORT", "carrier-pigeon", "must be one of auto, mpi, torch, got 'carrier-pigeon'"),
+    ("RINGFLASH_TRANSPORT", "carrier-pigeon", "must be one of auto, mpi, nccl, torch, got 'carrier-pigeon'"),
     ("RINGFLASH_KERNEL", "tpu", "must be one of auto, cpu, cuda, got 'tpu'"),
     ("RINGFLASH_KERNEL", "cuda", "is 'cuda', but the tensors are on cpu"),
 ])
 def test_bad_environment_variables(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(ringflash.InvalidArgument, match=f"\\[{name}\\] {message}"):
+        selected("cpu")
+
+
+def test_the_nccl_transport_refuses_cpu_tensors(monkeypatch):
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", "nccl")
+    error = ringflash.NotSupported
+    message = ("the nccl transport carries cuda tensors, got cpu" if ringflash._C.has_nccl()
+               else "is 'nccl', but ringflash was built without NCCL")
+    with pytest.raises(error, match=f"\\[RINGFLASH_TRANSPORT\\] {message}"):
         selected("cpu")
 
 
