@@ -14,7 +14,8 @@
 # Every stage runs even when an earlier one failed; the summary ($OUT/summary.txt, rewritten
 # after each stage) is printed last, and the exit status is non-zero if any stage failed. Where
 # one command may only run for a limited time, split the stages over calls (STAGES="build test",
-# then STAGES="sanitize bench"): later stages use the package that the build installed.
+# then STAGES="sanitize bench"): later stages use the package that the build installed. The stage
+# framework (records, summary, timeouts) is bench/stages.sh, shared with bench/multi_gpu_check.sh.
 #
 # Environment:
 #   OUT             where logs go (default ./device-check-out)
@@ -49,6 +50,7 @@ TEST_TIMEOUT=${TEST_TIMEOUT:-900}
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-600}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-600}
 SANITIZER_ERROR_EXIT=86  # compute-sanitizer's exit status when it found errors
+KILL_AFTER=  # timeout(1) only sends SIGTERM here
 
 # nvcc and compute-sanitizer where the CUDA toolkit keeps them, if they are not in PATH already.
 for dir in /usr/local/cuda/bin /usr/local/cuda/compute-sanitizer; do
@@ -57,52 +59,11 @@ done
 export PATH
 
 mkdir -p "$OUT"
-SUMMARY=$OUT/summary.txt
-declare -A RESULT DETAIL
-ORDER=()
-FAILED=0
+# shellcheck source=bench/stages.sh
+source "$(dirname "${BASH_SOURCE[0]}")/stages.sh"
+stages_init "$OUT/summary.txt" device_check 9 "$OUT/bench.log" "### gpu_bench table"
 
-banner() { printf '\n==== %s ====\n' "$*"; }
-
-# record STAGE ok|FAILED|skipped DETAIL
-record() {
-  [[ -v "RESULT[$1]" ]] || ORDER+=("$1")
-  RESULT[$1]=$2
-  DETAIL[$1]=$3
-  [[ $2 == FAILED ]] && FAILED=1
-  write_summary
-}
-
-write_summary() {
-  {
-    echo "==== device_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ)) ===="
-    printf '%-9s %-8s %s\n' stage result detail
-    local s
-    for s in "${ORDER[@]}"; do
-      printf '%-9s %-8s %s\n' "$s" "${RESULT[$s]}" "${DETAIL[$s]}"
-    done
-    if [[ -f $OUT/bench.log ]] && grep -q '^### gpu_bench table' "$OUT/bench.log"; then
-      echo
-      sed -n '/^### gpu_bench table/,$p' "$OUT/bench.log"
-    fi
-  } >"$SUMMARY"
-}
-
-wants() { [[ " $STAGES " == *" $1 "* ]]; }
-
-# What timeout(1) and compute-sanitizer exit statuses mean.
-status_text() {
-  case $1 in
-    0) echo "ok" ;;
-    124) echo "timed out" ;;
-    137) echo "killed (timeout or out of memory)" ;;
-    *) echo "exit status $1" ;;
-  esac
-}
-
-banner "environment"
-echo "repo: $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
-  "($(git status --porcelain 2>/dev/null | wc -l) changed files)"
+environment_banner
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
 command -v nvcc >/dev/null && nvcc --version | grep -i release
 $PYTHON -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
@@ -132,8 +93,8 @@ if wants build; then
   start=$SECONDS
   # The whole log goes to build.log; the terminal gets build steps, warnings and errors.
   CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++ CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    timeout "$BUILD_TIMEOUT" $PYTHON -m pip install --no-build-isolation --no-deps -v "${settings[@]}" . 2>&1 \
-    | tee "$OUT/build.log" \
+    run_logged "$OUT/build.log" "$BUILD_TIMEOUT" $PYTHON -m pip install --no-build-isolation --no-deps -v \
+    "${settings[@]}" . \
     | grep --line-buffered -E "^ *\[[0-9]+/[0-9]+\]|[Ee]rror|[Ww]arning|ringflash backends|Successfully"
   rc=${PIPESTATUS[0]}
   build_s=$((SECONDS - start))
@@ -187,24 +148,10 @@ if wants test; then
     # The float64 reference runs on the CPU: share the cores among the workers.
     threads=(env OMP_NUM_THREADS=$(( ($(nproc) + PYTEST_JOBS - 1) / PYTEST_JOBS )))
   fi
-  start=$SECONDS
   # -rs lists skip reasons: a run where the whole file skips (no CUDA) must not look like a pass.
   # shellcheck disable=SC2086
-  "${threads[@]}" timeout "$TEST_TIMEOUT" $PYTHON -m pytest tests/python/test_cuda.py $PYTEST_ARGS -rs \
-    -p no:cacheprovider "${parallel[@]}" 2>&1 | tee "$OUT/test_cuda.log"
-  rc=$?
-  test_s=$((SECONDS - start))
-  counts=$(grep -E "[0-9]+ (passed|failed|skipped|error|errors)" "$OUT/test_cuda.log" | tail -n 1 \
-             | grep -oE "[0-9]+ (passed|failed|skipped|xfailed|xpassed|errors?|deselected)" \
-             | paste -sd, - | sed 's/,/, /g')
-  passed=$(grep -oE "[0-9]+ passed" <<<"$counts" | grep -oE "[0-9]+" || echo 0)
-  if [[ $rc -eq 0 && ${passed:-0} -gt 0 ]]; then
-    record test ok "${counts:-no counts} (${test_s} s)"
-  elif [[ $rc -eq 0 ]]; then
-    record test FAILED "nothing passed: ${counts:-no counts} (${test_s} s)"
-  else
-    record test FAILED "$(status_text $rc): ${counts:-no counts} (${test_s} s; -x stops at the first failure)"
-  fi
+  pytest_stage test "$OUT/test_cuda.log" "$TEST_TIMEOUT" skips-ok \
+    "${threads[@]}" $PYTHON -m pytest tests/python/test_cuda.py $PYTEST_ARGS -rs -p no:cacheprovider "${parallel[@]}"
 fi
 
 # ---- sanitize ----------------------------------------------------------------------------------
@@ -315,9 +262,9 @@ PY
     start=$SECONDS
     # No caching allocator: each tensor is its own allocation, so memcheck sees out-of-bounds
     # accesses that would otherwise land inside a larger cached block.
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$SANITIZE_TIMEOUT" compute-sanitizer --tool "$tool" \
-      --error-exitcode $SANITIZER_ERROR_EXIT --print-limit 50 "${filter[@]}" $PYTHON "$script" 2>&1 \
-      | tee -a "$OUT/sanitize.log" | tail -n 25
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 run_logged -a "$OUT/sanitize.log" "$SANITIZE_TIMEOUT" compute-sanitizer \
+      --tool "$tool" --error-exitcode $SANITIZER_ERROR_EXIT --print-limit 50 "${filter[@]}" $PYTHON "$script" \
+      | tail -n 25
     rc=$?
     summary_line=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize.log" | tail -n 1 | sed 's/^=* *//')
     case $rc in
@@ -341,8 +288,7 @@ if wants bench; then
   banner "bench: bench/gpu_bench.py $BENCH_ARGS"
   start=$SECONDS
   # shellcheck disable=SC2086
-  timeout "$BENCH_TIMEOUT" $PYTHON bench/gpu_bench.py --json "$OUT/gpu_bench.json" $BENCH_ARGS 2>&1 \
-    | tee "$OUT/bench.log"
+  run_logged "$OUT/bench.log" "$BENCH_TIMEOUT" $PYTHON bench/gpu_bench.py --json "$OUT/gpu_bench.json" $BENCH_ARGS
   rc=$?
   if [[ $rc -eq 0 ]]; then
     record bench ok "$((SECONDS - start)) s; results in gpu_bench.json"
@@ -353,14 +299,4 @@ if wants bench; then
   fi
 fi
 
-for stage in $STAGES; do
-  case $stage in
-    build | test | sanitize | bench) ;;
-    *) record "$stage" FAILED "unknown stage (choose from build test sanitize bench)" ;;
-  esac
-done
-
-write_summary
-echo
-cat "$SUMMARY"
-exit $FAILED
+finish_stages build test sanitize bench

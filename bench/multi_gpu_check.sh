@@ -22,7 +22,8 @@
 # and the exit status is non-zero if any stage failed. Where one command may only run for a limited
 # time, split the stages over calls (STAGES="build", STAGES="test bench", STAGES="peer compare"):
 # later stages use the package that the build installed, and compare reads the JSON files in $OUT.
-# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported for every stage.
+# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is exported for every stage. The stage
+# framework (records, summary, timeouts) is bench/stages.sh, shared with bench/device_check.sh.
 #
 # Environment:
 #   OUT              where logs go (default ./multi-gpu-check-out)
@@ -57,56 +58,12 @@ PEER_DIR=$(cd "$PEER_DIR" 2>/dev/null && pwd || echo "$PEER_DIR")  # absolute: t
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # absolute: the stages run from other directories
 cd "$ROOT" || exit 1
-SUMMARY=$OUT/multi_gpu_summary.txt
-declare -A RESULT DETAIL
-ORDER=()
-FAILED=0
+# shellcheck source=bench/stages.sh
+source "$ROOT/bench/stages.sh"
+stages_init "$OUT/multi_gpu_summary.txt" multi_gpu_check 8 \
+  "$OUT/cp_bench.log" "### cp_bench table" "$OUT/cp_compare.log" "### cp_compare table"
 
-banner() { printf '\n==== %s ====\n' "$*"; }
-
-# record STAGE ok|FAILED|skipped DETAIL
-record() {
-  [[ -v "RESULT[$1]" ]] || ORDER+=("$1")
-  RESULT[$1]=$2
-  DETAIL[$1]=$3
-  [[ $2 == FAILED ]] && FAILED=1
-  write_summary
-}
-
-write_summary() {
-  {
-    echo "==== multi_gpu_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ)) ===="
-    printf '%-8s %-8s %s\n' stage result detail
-    local s
-    for s in "${ORDER[@]}"; do
-      printf '%-8s %-8s %s\n' "$s" "${RESULT[$s]}" "${DETAIL[$s]}"
-    done
-    if [[ -f $OUT/cp_bench.log ]] && grep -q '^### cp_bench table' "$OUT/cp_bench.log"; then
-      echo
-      sed -n '/^### cp_bench table/,$p' "$OUT/cp_bench.log"
-    fi
-    if [[ -f $OUT/cp_compare.log ]] && grep -q '^### cp_compare table' "$OUT/cp_compare.log"; then
-      echo
-      sed -n '/^### cp_compare table/,$p' "$OUT/cp_compare.log"
-    fi
-  } >"$SUMMARY"
-}
-
-wants() { [[ " $STAGES " == *" $1 "* ]]; }
-
-# What timeout(1) exit statuses mean.
-status_text() {
-  case $1 in
-    0) echo "ok" ;;
-    124) echo "timed out" ;;
-    137) echo "killed (timeout or out of memory)" ;;
-    *) echo "exit status $1" ;;
-  esac
-}
-
-banner "environment"
-echo "repo: $(git rev-parse --short HEAD 2>/dev/null || echo '?')" \
-  "($(git status --porcelain 2>/dev/null | wc -l) changed files)"
+environment_banner
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
 nvidia-smi topo -m 2>&1 | head -n 20
 $PYTHON -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
@@ -143,26 +100,11 @@ fi
 # ---- test --------------------------------------------------------------------------------------
 if wants test; then
   banner "test: pytest tests/python/test_gpu_parallel.py $PYTEST_ARGS"
-  start=$SECONDS
   # -rs lists skip reasons: a run where the whole file skips (fewer than 2 GPUs, no NCCL) must not
   # look like a pass.
   # shellcheck disable=SC2086
-  timeout --kill-after=$KILL_AFTER "$TEST_TIMEOUT" $PYTHON -m pytest tests/python/test_gpu_parallel.py $PYTEST_ARGS \
-    -rs -p no:cacheprovider 2>&1 | tee "$OUT/test_gpu_parallel.log"
-  rc=$?
-  test_s=$((SECONDS - start))
-  counts=$(grep -E "[0-9]+ (passed|failed|skipped|error|errors)" "$OUT/test_gpu_parallel.log" | tail -n 1 \
-             | grep -oE "[0-9]+ (passed|failed|skipped|xfailed|xpassed|errors?|deselected)" \
-             | paste -sd, - | sed 's/,/, /g')
-  passed=$(grep -oE "[0-9]+ passed" <<<"$counts" | grep -oE "[0-9]+" || echo 0)
-  skipped=$(grep -oE "[0-9]+ skipped" <<<"$counts" | grep -oE "[0-9]+" || echo 0)
-  if [[ $rc -eq 0 && ${passed:-0} -gt 0 && ${skipped:-0} -eq 0 ]]; then
-    record test ok "${counts:-no counts} (${test_s} s)"
-  elif [[ $rc -eq 0 ]]; then
-    record test FAILED "not every test ran: ${counts:-no counts} (${test_s} s; skip reasons in test_gpu_parallel.log)"
-  else
-    record test FAILED "$(status_text $rc): ${counts:-no counts} (${test_s} s; -x stops at the first failure)"
-  fi
+  pytest_stage test "$OUT/test_gpu_parallel.log" "$TEST_TIMEOUT" skips-fail \
+    $PYTHON -m pytest tests/python/test_gpu_parallel.py $PYTEST_ARGS -rs -p no:cacheprovider
 fi
 
 # ---- bench: ringflash --------------------------------------------------------------------------
@@ -174,8 +116,7 @@ if wants bench; then
   else
     rm -f "$OUT/cp_bench.json"
     # shellcheck disable=SC2086
-    timeout --kill-after=$KILL_AFTER "$BENCH_TIMEOUT" "${TORCHRUN[@]}" bench/cp_bench.py --out "$OUT" $CP_BENCH_ARGS 2>&1 \
-      | tee "$OUT/cp_bench.log"
+    run_logged "$OUT/cp_bench.log" "$BENCH_TIMEOUT" "${TORCHRUN[@]}" bench/cp_bench.py --out "$OUT" $CP_BENCH_ARGS
     rc=$?
     if [[ $rc -eq 0 ]]; then
       record bench ok "$((SECONDS - start)) s; results in cp_bench.json"
@@ -201,8 +142,8 @@ if wants peer; then
     rm -f "$peer_json"
     # The peer writes torch_cp_w<P>.json into $OUT; it runs from $OUT so that nothing else lands
     # in the repository.
-    (cd "$OUT" && OUT="$OUT" timeout --kill-after=$KILL_AFTER "$PEER_TIMEOUT" "${TORCHRUN[@]}" "$peer_script") 2>&1 \
-      | tee "$OUT/torch_cp.log"
+    peer_log=$OUT/torch_cp.log
+    (cd "$OUT" && OUT="$OUT" run_logged "$peer_log" "$PEER_TIMEOUT" "${TORCHRUN[@]}" "$peer_script")
     rc=$?
     if [[ $rc -eq 0 && -f $peer_json ]]; then
       errors=$($PYTHON -c "import json, sys; print(sum('error' in r for r in json.load(open(sys.argv[1]))))" \
@@ -219,8 +160,7 @@ fi
 # ---- compare -----------------------------------------------------------------------------------
 if wants compare; then
   banner "compare: bench/cp_compare.py --dir $OUT"
-  timeout --kill-after=$KILL_AFTER "$COMPARE_TIMEOUT" $PYTHON bench/cp_compare.py --dir "$OUT" 2>&1 \
-    | tee "$OUT/cp_compare.log"
+  run_logged "$OUT/cp_compare.log" "$COMPARE_TIMEOUT" $PYTHON bench/cp_compare.py --dir "$OUT"
   rc=$?
   if [[ $rc -eq 0 ]] && grep -q "no torch CP results" "$OUT/cp_compare.log"; then
     record compare FAILED "ringflash only: no torch CP results to compare with (see cp_compare.log)"
@@ -231,14 +171,4 @@ if wants compare; then
   fi
 fi
 
-for stage in $STAGES; do
-  case $stage in
-    build | test | bench | peer | compare) ;;
-    *) record "$stage" FAILED "unknown stage (choose from build test bench peer compare)" ;;
-  esac
-done
-
-write_summary
-echo
-cat "$SUMMARY"
-exit $FAILED
+finish_stages build test bench peer compare
