@@ -44,6 +44,7 @@ import torch.distributed as dist
 import ringflash
 from ringflash.distributed import communicator, selected
 from ringflash.parallel import STRATEGIES, init_process_groups, parallel_attention, shard_positions
+from bench_util import int_list
 
 DTYPE = torch.bfloat16
 BATCH = 1
@@ -54,13 +55,6 @@ PASSES = ("fwd", "fwd_bwd")
 # (the limits of bench/gpu_bench.py).
 AGREEMENT_RTOL = {"out": 5e-2, "dq": 1e-1, "dk": 1e-1, "dv": 1e-1}
 RESULT_NAMES = ("out", "dq", "dk", "dv")
-
-
-def int_list(text):
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from e
 
 
 def name_list(text):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ringflash
+from bench_util import int_list
 
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
@@ -50,13 +51,6 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
 # to bf16 in different places; this catches a wrong result, not a last-bit difference.
 AGREEMENT_RTOL = {"out": 5e-2, "dq": 1e-1, "dk": 1e-1, "dv": 1e-1}
 L2_FLUSH_BYTES = 256 * 1024 * 1024
-
-
-def int_list(text):
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}") from e
 
 
 def bool_list(text):
