@@ -4,8 +4,9 @@ MPI, and mpiexec is on PATH.
 
 Each of 2 ranks (cuda:<local rank>) runs a zigzag forward and backward, causal, bf16, GQA, at an
 awkward length, and compares its shard with ringflash.flash_attn_func on the whole sequence on its
-own GPU (the same kernels: the difference is the ring's fp32 merge order, well inside bf16's
-rounding). It writes the transport it used to a file of its own.
+own GPU (the same kernels: the difference is the ring's fp32 merge order, a few bf16 units; on
+2 x H200 at most 0.4 % of the largest gradient). Every input, dout included, comes from one seeded
+generator, so both ranks build the same sequence. It writes the transport it used to a file of its own.
 """
 
 import os
@@ -32,7 +33,7 @@ g = torch.Generator(device="cuda").manual_seed(0)
 S = 4097
 q = torch.randn(1, S, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
 k, v = (torch.randn(1, S, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-dout = torch.randn_like(q)
+dout = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
 full = [t.clone().requires_grad_() for t in (q, k, v)]
 ref = ringflash.flash_attn_func(*full, causal=True)
 ref.backward(dout)
@@ -45,7 +46,7 @@ for name, got, want in (("out", out, ref[:, pos]), ("dq", mine[0].grad, full[0].
                         ("dk", mine[1].grad, full[1].grad[:, pos]), ("dv", mine[2].grad, full[2].grad[:, pos])):
     err = (got.float() - want.float()).abs().max().item()
     scale = want.float().abs().max().item()
-    assert err <= 2e-2 * max(scale, 1.0), (name, err, scale)
+    assert err <= 1e-2 * max(scale, 1.0), (name, err, scale)
 with open(sys.argv[1] + f"/rank{rank}", "w") as f:
     f.write(ringflash.selected("cuda")["transport"])
 '''
