@@ -44,7 +44,8 @@ class Validator {
     kSameOrFp32,  // either
   };
 
-  // A tensor with the shape of `like`, D contiguous, not aliasing q, k or v.
+  // A tensor with the shape of `like`, D contiguous, not aliasing q, k or v (an empty tensor holds
+  // no memory, so it aliases nothing).
   AttentionArgs::Operand like(const TensorView& t, const char* name, const TensorView& ref,
                               DTypeRule rule) const {
     same_device(t, name);
@@ -59,8 +60,8 @@ class Validator {
     RINGFLASH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0, InvalidArgument, "[", op_, "] ", name,
                     " must be contiguous in its last dimension (head_dim), got stride ", t.stride(-1));
     for (const TensorView* in : {&q_, &k_, &v_})
-      RINGFLASH_CHECK(t.data() != in->data() || t.numel() == 0, InvalidArgument, "[", op_, "] ", name,
-                      " must not alias q, k or v");
+      RINGFLASH_CHECK(t.data() != in->data() || t.numel() == 0 || in->numel() == 0, InvalidArgument, "[", op_, "] ",
+                      name, " must not alias q, k or v");
     return operand(t);
   }
 
@@ -310,7 +311,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   args.dv = check.like(dv, "dv", v, Rule::kAccumulate);
   for (auto [grad, name] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
     for (auto [other, other_name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}})
-      RINGFLASH_CHECK(grad == other || grad->data() != other->data() || grad->numel() == 0, InvalidArgument,
+      RINGFLASH_CHECK(grad == other || grad->data() != other->data() || grad->numel() == 0 || other->numel() == 0,
+                      InvalidArgument,
                       "[attention_backward] ", name, " must not alias ", other_name);
   if (q.numel() == 0 && k.numel() == 0) return;
   if (q.device().type == DeviceType::kCUDA) {

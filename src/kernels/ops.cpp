@@ -58,7 +58,8 @@ ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, const TensorView* 
     const int64_t ss = src ? src->stride(d) : 0;
     if (a.ndim > 0) {
       const int last = a.ndim - 1;
-      const bool merges = a.dst_stride[last] == dst.stride(d) * dst.size(d) && (!src || a.src_stride[last] == ss * dst.size(d));
+      const bool merges = a.dst_stride[last] == dst.stride(d) * dst.size(d) &&
+                          (!src || a.src_stride[last] == ss * dst.size(d));
       if (merges) {
         a.size[last] *= dst.size(d);
         a.dst_stride[last] = dst.stride(d);
@@ -171,8 +172,8 @@ void run(const ElementwiseArgs& a, Device device) {
 }  // namespace
 
 void fill(const TensorView& dst, float value, void* stream) {
-  RINGFLASH_CHECK(is_float(dst.dtype()), InvalidArgument, "[fill] dst must have dtype float32, float16 or bfloat16, got ",
-                  dtype_name(dst.dtype()));
+  RINGFLASH_CHECK(is_float(dst.dtype()), InvalidArgument,
+                  "[fill] dst must have dtype float32, float16 or bfloat16, got ", dtype_name(dst.dtype()));
   ElementwiseArgs a = fold(ElementwiseOp::kFill, dst, nullptr, stream);
   a.value = value;
   run(a, dst.device());

@@ -2,12 +2,13 @@
 //
 // At step s rank r holds the K/V of rank (r - s) mod P and runs the single-device kernel, in
 // accumulate mode, on every pair (query piece of r, key piece of that rank) that the mask does
-// not leave empty, in one call for all of them where one call sees what the pairs see. Forward merges into fp32 (out, lse); backward adds into fp32 dq (local), into
-// this rank's own fp32 dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a
-// partial starts on the rank after its K/V's home, travels with the K/V, and its last hop lands at
-// home, where it is added to that rank's own (P - 1 hops, as the K/V make). The transfer for
-// step s + 1 is posted before step s computes. With a window, the ring stops after the last step
-// any rank needs, so farther transfers never happen.
+// not leave empty, in one call for all of them where one call sees what the pairs see. Forward
+// merges into fp32 (out, lse); backward adds into fp32 dq (local), into this rank's own fp32
+// dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
+// after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
+// to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
+// step s computes. With a window, the ring stops after the last step any rank needs, so farther
+// transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)

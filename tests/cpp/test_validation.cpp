@@ -521,6 +521,21 @@ TEST_F(Validation, GradientsMustNotAliasAnyInput) {
                          "[attention_backward]", "dq must not alias");
 }
 
+// An empty tensor holds no memory, so one that shares its address with another aliases nothing
+// (the strategies carve 0-byte pieces of a workspace at the offset of the next piece).
+TEST_F(Validation, EmptyTensorsAliasNothing) {
+  const TensorView q0(q.view().data(), DType::kFloat32, Device{}, {kB, 0, kHq, kD});
+  const TensorView out0(out.view().data(), DType::kFloat32, Device{}, {kB, 0, kHq, kD});
+  const TensorView dout0(dout.view().data(), DType::kFloat32, Device{}, {kB, 0, kHq, kD});
+  const TensorView lse0(lse.view().data(), DType::kFloat32, Device{}, {kB, kHq, 0});
+  const TensorView dq0(dk.view().data(), DType::kFloat32, Device{}, {kB, 0, kHq, kD});  // at dk's address
+  dk.for_each_element([&](int64_t e) { dk.set_element(e, 1.0); });
+  attention_backward(q0, kv(), vv(), out0, dout0, lse0, dq0, dk.view(), dv.view(), p);
+  bool zero = true;
+  dk.for_each_element([&](int64_t e) { zero = zero && dk.at_element(e) == 0.0; });
+  EXPECT_TRUE(zero) << "no query sees a key: dk must be written as zeros";
+}
+
 // Windows and offsets at the ends of int64 are either refused with an error that names them, or
 // give the result they mean; never signed overflow (undefined behaviour: UBSan aborts on it).
 TEST_F(Validation, ExtremeWindowsAndOffsets) {

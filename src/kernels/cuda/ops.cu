@@ -138,7 +138,8 @@ void elementwise(const ElementwiseArgs& a) {
       return launch<ElementwiseOp::kAdd, float, float>(a);
     case ElementwiseOp::kCopy:
       if (a.src_dtype == a.dst_dtype)
-        return with_bits(dtype_size(a.dst_dtype), [&](auto t) { launch<ElementwiseOp::kCopy, decltype(t), decltype(t)>(a); });
+        return with_bits(dtype_size(a.dst_dtype),
+                         [&](auto t) { launch<ElementwiseOp::kCopy, decltype(t), decltype(t)>(a); });
       return with_float(a.src_dtype, [&](auto s) {
         with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kCopy, decltype(s), decltype(d)>(a); });
       });
