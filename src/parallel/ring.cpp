@@ -7,9 +7,8 @@
 // dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
 // after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
 // to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
-// step s computes; the backward computes this rank's own block last, while the last hop travels.
-// With a window, the ring stops after the last step any rank needs, so farther transfers never
-// happen.
+// step s computes. With a window, the ring stops after the last step any rank needs, so farther
+// transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)
@@ -242,7 +241,8 @@ class Ring {
     // sum of the other ranks' contributions to a block starts on the rank after its home, travels
     // with the block's K/V, and its last hop lands at home, where it is added to `own`: P - 1 hops
     // for a full ring. Two partials travel in turn (one is being sent while the other is
-    // received).
+    // received); from step 2 on, the kernel adds into `block`, which is then added to the partial
+    // arriving from the previous rank.
     const bool own_dq = dq.dtype() != DType::kFloat32;
     const size_t grad_bytes = static_cast<size_t>(2 * kv_elements_) * sizeof(float);
     kernels::WorkspaceLayout layout;
@@ -258,60 +258,49 @@ class Ring {
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
     unsigned char* block = workspace_.data() + block_at;
 
-    // Step s's gradients against the K/V it visits, added into dq and into `target` (zeroed first).
-    // Returns whether any pair was computed; `target` then holds zeros if it was not.
-    const auto step = [&](int s, unsigned char* target, bool zero_if_idle) {
+    prepare_travel();
+    std::unique_ptr<CommRequest> grads_in;
+    for (int s = 0; s < steps_; ++s) {
       const int src = source(s);
+      std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
+      unsigned char* carried = partial[s % 2];
+      unsigned char* target = s == 0 ? own : s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
-      const TensorView all = flat(target, device_, 2 * rows_elements(src));
       bool computed = false;
       for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
-        if (!computed) kernels::fill(all, 0.0f, stream_);
-        computed = true;
+        if (!computed) {
+          kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+          computed = true;
+        }
         attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
                            rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
       });
-      if (!computed && zero_if_idle) kernels::fill(all, 0.0f, stream_);
-      return computed;
-    };
-
-    // This rank's own block comes last, while the last hop of the partials travels: what waits
-    // alone is the first K/V transfer (bf16) instead of that hop (fp32 dK and dV, twice the bytes).
-    prepare_travel();
-    std::unique_ptr<CommRequest> kv_in = steps_ > 1 ? pass_kv(0) : nullptr, grads_in, last_hop;
-    for (int s = 1; s < steps_; ++s) {
-      kv_in->wait();  // step s's K/V
-      kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
-      const int src = source(s);
-      unsigned char* carried = partial[s % 2];
-      // The partial of step 1 starts here; from step 2 on, the kernel adds into `block`, which is
-      // then added to the partial arriving from the previous rank (a block no pair reached is
-      // simply not added).
-      const bool computed = step(s, s == 1 ? carried : block, s == 1);
+      // A block that no pair reached holds zeros: `own` and the partial of step 1 are filled here,
+      // a later step's block is simply not added.
+      if (!computed && s < 2) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
         if (computed) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
-      if (s + 1 < steps_) {
+      if (s > 0 && s + 1 < steps_) {
         const int64_t next_src = source(s + 1);
         grads_in = comm_.send_recv(transfer(next(), carried, 2 * rows_elements(src) * sizeof(float), prev(),
                                             partial[(s + 1) % 2], 2 * rows_elements(next_src) * sizeof(float)));
       }
+      if (kv_in) kv_in->wait();
     }
+
     // The partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
     // rank's own arrives from rank (r + steps - 1) mod P.
-    const int64_t n = 2 * rows_elements(rank_);
-    unsigned char* arrived = partial[steps_ % 2];
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
-      last_hop = comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float),
-                                          from, arrived, n * sizeof(float)));
-    }
-    step(0, own, true);
-    if (last_hop) {
-      last_hop->wait();
+      unsigned char* arrived = partial[steps_ % 2];
+      const int64_t n = 2 * rows_elements(rank_);
+      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float), from,
+                               arrived, n * sizeof(float)))
+          ->wait();
       kernels::add(flat(arrived, device_, n), flat(own, device_, n), stream_);
     }
     const KeyValues mine = grad_views(own, rank_);
