@@ -1,7 +1,7 @@
 """ringflash.parallel_attention on 2 GPUs over ringflash's NCCL transport. Skipped unless there are
 2 CUDA devices and ringflash was built with CUDA and NCCL.
 
-Three worlds of 2 processes (torch.distributed backend "nccl", rank r on cuda:r), each started once:
+Four worlds of 2 processes (torch.distributed backend "nccl", rank r on cuda:r), each started once:
 
 * accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid as 2 x 1 and 1 x 2 (ulysses x
   ring), x {causal, window (300, 0), window (256, 64)} x {MHA 4/4, GQA 8/2} x lengths 1013 and
@@ -17,6 +17,9 @@ Three worlds of 2 processes (torch.distributed backend "nccl", rank r on cuda:r)
   collected, not raised, so that both ranks make the same calls; their count is summed over the
   ranks (nccl-tests' CheckData), so every rank agrees on pass or fail. The world also says which
   transport ran: it must be ringflash's own NCCL transport, not the torch bridge.
+* packed: every strategy on a packed batch of documents 300, 0, 1, 77, 513 and 2049 long (each
+  sharded on its own, the global cu_seqlens on the CPU), causal and window (256, 64), GQA 8/2,
+  bf16, against attention_varlen in float64 and ringflash.flash_attn_varlen_func, by the same rule.
 * graph: a zigzag (then ulysses) forward+backward, warmed up eagerly, captured in a CUDA graph on
   static inputs and replayed with new values copied into them, gives what an eager call on those
   values gives (the forward bit for bit, the gradients up to the order of atomic adds).
@@ -42,7 +45,7 @@ from ringflash.distributed import communicator, selected
 from ringflash.parallel import init_process_groups, parallel_attention, shard_positions
 from dist_harness import run_world
 from graph_check import graph_replay_problems
-from reference import ATOL, F64, attention, max_error, rounded_randn
+from reference import ATOL, F64, attention, attention_varlen, cu_seqlens, max_error, rounded_randn
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.device_count() >= 2 and ringflash.has_cuda() and ringflash._C.has_nccl()),
@@ -210,6 +213,74 @@ def test_every_strategy_matches_the_single_gpu_result(accuracy):
     totals = {r["failed_everywhere"] for r in accuracy}
     assert len(totals) == 1, f"the ranks disagree on the failure count: {totals}"
     failures = [f"rank {rank}: {f}" for rank, r in enumerate(accuracy) for f in r["failures"]]
+    assert totals == {0} and not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
+
+
+# Packed batches: documents of these lengths (one empty, one of a single token), each sharded on
+# its own; GQA 8/2, hdim 128, bf16.
+PACKED_LENGTHS = [300, 0, 1, 77, 513, 2049]
+PACKED_MASKS = ["causal", "window(256,64)"]
+
+
+def _packed_references(mask, seed, device):
+    """Inputs (q, k, v, dout), the float64 reference and the single-GPU result (out, lse, dq, dk,
+    dv each) of one packed batch; cu_seqlens on the CPU."""
+    cu = cu_seqlens(PACKED_LENGTHS)
+    total = int(cu[-1])
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(total, 8, 128), (total, 2, 128), (total, 2, 128), (total, 8, 128)]
+    inputs = [rounded_randn(shape, torch.bfloat16, g).to(device) for shape in shapes]
+    q, k, v, dout = inputs
+    with torch.device(device):
+        xs = [t.to(F64).requires_grad_() for t in (q, k, v)]
+        out, lse = attention_varlen(*xs, cu, cu, dtype=F64, causal=mask["causal"], window=mask["window"])
+        out.backward(dout.to(F64))
+    reference = [out.detach(), lse.detach()] + [x.grad for x in xs]
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    cu_gpu, longest = cu.to(device), max(PACKED_LENGTHS)
+    out, lse = ringflash.flash_attn_varlen_func(*xs, cu_gpu, cu_gpu, longest, longest, causal=mask["causal"],
+                                                window_size=mask["window"], return_softmax_lse=True)
+    out.backward(dout)
+    single = [out.detach(), lse.detach()] + [x.grad for x in xs]
+    return cu, inputs, reference, single
+
+
+def _packed_body(rank, world):
+    device = _device(rank)
+    runs = [(strategy, None, strategy) for strategy in STRATEGIES]
+    runs += [("hybrid", init_process_groups(ulysses, ring), f"hybrid {ulysses}x{ring}") for ulysses, ring in HYBRID]
+    failures, checked = [], 0
+    for seed, mask_name in enumerate(PACKED_MASKS):
+        mask = MASKS[mask_name]
+        cu, (q, k, v, dout), reference, single = _packed_references(mask, 100 + seed, device)
+        for strategy, group, name in runs:
+            what = f"packed {name} P={world} {mask_name}"
+            pos = torch.cat([shard_positions(n, strategy, group, device=device) + int(cu[b])
+                             for b, n in enumerate(PACKED_LENGTHS)]).to(device)
+            try:
+                xs = [t[pos].clone().requires_grad_() for t in (q, k, v)]
+                out, lse = parallel_attention(*xs, strategy, group, causal=mask["causal"], window_size=mask["window"],
+                                              cu_seqlens=cu, return_lse=True)
+                out.backward(dout[pos])
+                got = [out, lse] + [x.grad for x in xs]
+                for i, part in enumerate(("out", "lse", "dq", "dk", "dv")):
+                    rows = (lambda t: t[:, pos]) if part == "lse" else (lambda t: t[pos])  # lse (H, T)
+                    problem = _pass_rule(f"{what} {part}", got[i], rows(reference[i]), rows(single[i]),
+                                         torch.float32 if part == "lse" else torch.bfloat16)
+                    if problem:
+                        failures.append(problem)
+            except (ringflash.InvalidArgument, ringflash.NotSupported) as e:
+                failures.append(f"{what}: {type(e).__name__}: {e}")
+            checked += 1
+    return dict(checked=checked, failures=failures, failed_everywhere=_failed_everywhere(failures, device))
+
+
+def test_packed_batches_match_the_single_gpu_result():
+    results = run_world(WORLD, _packed_body, backend="nccl", env=GPU_ENV, timeout=300)
+    assert [r["checked"] for r in results] == [len(PACKED_MASKS) * RUNS_PER_CASE] * WORLD
+    totals = {r["failed_everywhere"] for r in results}
+    assert len(totals) == 1, f"the ranks disagree on the failure count: {totals}"
+    failures = [f"rank {rank}: {f}" for rank, r in enumerate(results) for f in r["failures"]]
     assert totals == {0} and not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:40])
 
 
