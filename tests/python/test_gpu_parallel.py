@@ -1,10 +1,12 @@
-"""ringflash.parallel_attention on 2 GPUs over ringflash's NCCL transport. Skipped unless there are
-2 CUDA devices and ringflash was built with CUDA and NCCL.
+"""ringflash.parallel_attention on 2 GPUs (RINGFLASH_TEST_GPUS: 4 or 8) over ringflash's NCCL
+transport. Skipped unless there are that many CUDA devices and ringflash was built with CUDA and
+NCCL.
 
-Four worlds of 2 processes (torch.distributed backend "nccl", rank r on cuda:r), each started once:
+Four worlds of that many processes (the fault test: 2), torch.distributed backend "nccl", rank r
+on cuda:r, each started once:
 
-* accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid as 2 x 1 and 1 x 2 (ulysses x
-  ring), x {causal, window (300, 0), window (256, 64)} x {MHA 4/4, GQA 8/2} x lengths 1013 and
+* accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid in every 2D layout of the ranks
+  (2 x 1 and 1 x 2 on 2 GPUs; ulysses x ring), x {causal, window (300, 0), window (256, 64)} x {MHA 4/4, GQA 8/2} x lengths 1013 and
   4097 (no multiple of 2P) x {fp16, bf16}, head dim 128, plus two cases at head dim 64; out, lse,
   dq, dk and dv. Every rank builds the global inputs from a seed, computes the float64 reference
   (reference.attention, on its own GPU) and the single-GPU result (ringflash.flash_attn_func on the
@@ -33,6 +35,7 @@ One to two minutes on 2 H200 (estimated); every world has a hard time limit.
 """
 
 import dataclasses
+import os
 import re
 import time
 
@@ -47,11 +50,15 @@ from dist_harness import run_world
 from graph_check import graph_replay_problems
 from reference import ATOL, F64, attention, attention_varlen, cu_seqlens, max_error, rounded_randn
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.device_count() >= 2 and ringflash.has_cuda() and ringflash._C.has_nccl()),
-    reason="needs 2 CUDA devices and ringflash built with CUDA and NCCL")
+# The world of the accuracy, packed and graph tests: 2 GPUs, or RINGFLASH_TEST_GPUS of them (4 or 8
+# on the larger machines); the fault test always runs on 2.
+WORLD = int(os.environ.get("RINGFLASH_TEST_GPUS", "2"))
+FAULT_WORLD = 2
 
-WORLD = 2
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.device_count() >= WORLD and ringflash.has_cuda() and ringflash._C.has_nccl()),
+    reason=f"needs {WORLD} CUDA devices and ringflash built with CUDA and NCCL")
+
 # Never NVLink multicast (NVLS) on the device machines; a broken peer surfaces as a CommError
 # within a minute instead of the default 300 s deadline.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "RINGFLASH_COMM_TIMEOUT": "60"}
@@ -60,7 +67,8 @@ FAULT_SLACK_S = 25  # rank 0 must have its CommError within FAULT_TIMEOUT_S + FA
 FAULT_PEER_GRACE_S = 3  # the silent rank stays alive this long past the deadline
 
 STRATEGIES = ["ring", "zigzag", "stripe", "allgather", "ulysses"]
-HYBRID = [(2, 1), (1, 2)]  # (ulysses_degree, ring_degree): the 2D layouts that 2 ranks allow
+# (ulysses_degree, ring_degree): every 2D layout of WORLD ranks.
+HYBRID = [(u, WORLD // u) for u in range(1, WORLD + 1) if WORLD % u == 0]
 MASKS = {
     "causal": dict(causal=True, window=(-1, -1)),
     "window(300,0)": dict(causal=False, window=(300, 0)),
@@ -344,7 +352,7 @@ def _fault_body(rank, world):
 def test_a_silent_peer_ends_in_a_comm_error_at_the_deadline():
     env = dict(GPU_ENV, RINGFLASH_COMM_TIMEOUT=str(FAULT_TIMEOUT_S))
     # A hang of either rank fails the test at the harness's limit.
-    waiting, silent = run_world(WORLD, _fault_body, backend="nccl", env=env, hard_exit=True, timeout=150)
+    waiting, silent = run_world(FAULT_WORLD, _fault_body, backend="nccl", env=env, hard_exit=True, timeout=150)
     assert silent["error"] == "rank 1 fails before its send"
     assert waiting["timeout"] == FAULT_TIMEOUT_S
     message = waiting["message"]
