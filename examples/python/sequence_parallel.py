@@ -1,12 +1,14 @@
-"""Sequence-parallel attention over CPU ranks, checked against one device.
+"""Sequence-parallel attention over several ranks, checked against one device.
 
     torchrun --nproc_per_node 4 examples/python/sequence_parallel.py
     mpiexec -n 4 python examples/python/sequence_parallel.py
 
 Every rank builds the same global q, k and v from a seed, keeps its shard in the strategy's layout,
 runs forward and backward, and compares its shard of the output and gradients with the
-single-device result. Under mpiexec the messages travel over MPI, under torchrun over gloo
-(``ringflash.selected()`` says which).
+single-device result. Each rank runs on the device that ``ringflash.setup_mpi_distributed()``
+gives it: one GPU per rank where CUDA is available (bf16, messages over ringflash's NCCL
+transport), else the CPU (fp32, messages over MPI under mpiexec and over gloo under torchrun).
+``ringflash.selected()`` says which.
 """
 
 import argparse
@@ -27,12 +29,14 @@ def main():
     args = parser.parse_args()
 
     info = ringflash.setup_mpi_distributed()  # torchrun or mpiexec; a single process works too
-    rank, world = info["rank"], info["world_size"]
+    rank, world, device = info["rank"], info["world_size"], info["device"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     shape_q, shape_kv = (1, args.seqlen, args.heads, args.hdim), (1, args.seqlen, args.kv_heads, args.hdim)
     q, dout = torch.randn(shape_q, generator=g), torch.randn(shape_q, generator=g)
     k, v = torch.randn(shape_kv, generator=g), torch.randn(shape_kv, generator=g)
+    q, k, v, dout = (t.to(device, dtype) for t in (q, k, v, dout))
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     reference = ringflash.flash_attn_func(*leaves, causal=True)
@@ -40,8 +44,8 @@ def main():
     reference_grads = [t.grad for t in leaves]
 
     if rank == 0:
-        print(f"{world} ranks ({info['launcher']}), transport {ringflash.selected()['transport']}: "
-              f"S={args.seqlen} H={args.heads}/{args.kv_heads} D={args.hdim} fp32 causal")
+        print(f"{world} ranks ({info['launcher']}), transport {ringflash.selected(device)['transport']}: "
+              f"S={args.seqlen} H={args.heads}/{args.kv_heads} D={args.hdim} {dtype} causal on {device.type}")
         print(f"{'strategy':<10} {'fwd+bwd ms':>10} {'max |diff|':>11}")
     for strategy in args.strategies.split(","):
         group = None
@@ -49,14 +53,16 @@ def main():
             if world % 2:
                 continue
             group = ringflash.init_process_groups(ulysses_degree=2, ring_degree=world // 2)
-        pos = ringflash.shard_positions(args.seqlen, strategy, group)
+        pos = ringflash.shard_positions(args.seqlen, strategy, group, device=device).to(device)
         local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
         start = time.perf_counter()
         out = ringflash.parallel_attention(*local, strategy, group, causal=True)
         out.backward(dout[:, pos])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         ms = (time.perf_counter() - start) * 1e3
-        diffs = [(out - reference[:, pos]).abs().max()]
-        diffs += [(t.grad - grad[:, pos]).abs().max() for t, grad in zip(local, reference_grads)]
+        diffs = [(out - reference[:, pos]).abs().max().float()]
+        diffs += [(t.grad - grad[:, pos]).abs().max().float() for t, grad in zip(local, reference_grads)]
         diff = torch.stack(diffs).max()
         torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
         if rank == 0:
