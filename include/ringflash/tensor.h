@@ -18,6 +18,8 @@ enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kFlo
 size_t dtype_size(DType dtype);
 // "float32", "float16", "bfloat16", "int32", "int64", "float64".
 const char* dtype_name(DType dtype);
+// Whether `dtype` is one that attention computes in: float32, float16 or bfloat16.
+bool is_float(DType dtype);
 
 enum class DeviceType : uint8_t { kCPU, kCUDA };
 

@@ -17,8 +17,6 @@ using core::str_cat;
 
 constexpr int64_t kMaxOffset = int64_t{1} << 40;
 
-bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
-
 // Validates the tensors and options shared by forward and backward and fills everything in
 // AttentionArgs but the output operands.
 class Validator {

@@ -30,6 +30,8 @@ const char* dtype_name(DType dtype) {
   return "unknown";
 }
 
+bool is_float(DType dtype) { return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
 std::string device_name(Device device) {
   if (device.type == DeviceType::kCPU) return "cpu";
   return "cuda:" + std::to_string(device.index);

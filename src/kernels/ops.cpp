@@ -17,8 +17,6 @@ namespace {
 using core::ElementwiseArgs;
 using core::ElementwiseOp;
 
-bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
-
 const char* op_name(ElementwiseOp op) {
   switch (op) {
     case ElementwiseOp::kFill: return "fill";

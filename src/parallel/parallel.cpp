@@ -45,8 +45,6 @@ Layout strategy_layout(Strategy strategy, const ParallelOptions& options) {
   }
 }
 
-bool is_float(DType t) { return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16; }
-
 uint64_t hash_bytes(uint64_t h, const void* data, size_t bytes) {
   for (size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * kHashPrime;
   return h;
