@@ -300,12 +300,9 @@ class StreamRequest : public CommRequest {
  private:
   void join() noexcept {
     if (!done_) return;
-    int previous = device_;
-    cudaGetDevice(&previous);
-    if (previous != device_) cudaSetDevice(device_);
+    const cuda::QuietDeviceGuard guard(device_);
     cudaStreamWaitEvent(stream_, done_, 0);
     cudaEventDestroy(done_);
-    if (previous != device_) cudaSetDevice(previous);
     done_ = nullptr;
   }
 
@@ -332,15 +329,13 @@ class NcclCommunicator : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    const int previous = current_device();
-    if (previous != device_) cudaSetDevice(device_);
+    const cuda::QuietDeviceGuard guard(device_);
     const Clock::time_point deadline = Clock::now() + timeout_;
     control_.close(deadline);  // split from data_: closed first
     data_.close(deadline);
     if (staging_) cudaFree(staging_);
     cudaStreamDestroy(comm_stream_);
     cudaStreamDestroy(control_stream_);
-    if (previous != device_) cudaSetDevice(previous);
   }
 
   int rank() const override { return rank_; }
@@ -468,12 +463,6 @@ class NcclCommunicator : public Communicator {
   bool in_device_memory(const void* send, const void* recv) {
     cuda::DeviceGuard guard(device_);
     return is_capturing(static_cast<cudaStream_t>(stream_)) || is_device_memory(send) || is_device_memory(recv);
-  }
-
-  static int current_device() {
-    int d = -1;
-    cudaGetDevice(&d);
-    return d;
   }
 
   cudaEvent_t record(cudaStream_t stream) {

@@ -30,4 +30,20 @@ struct DeviceGuard {
   DeviceGuard& operator=(const DeviceGuard&) = delete;
 };
 
+// The same for destructors and other paths that may not throw: a device that cannot be made
+// current is left as it is.
+struct QuietDeviceGuard {
+  int previous = -1;
+  explicit QuietDeviceGuard(int device) noexcept {
+    int current = -1;
+    if (device < 0 || cudaGetDevice(&current) != cudaSuccess || current == device) return;
+    if (cudaSetDevice(device) == cudaSuccess) previous = current;
+  }
+  ~QuietDeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+};
+
 }  // namespace ringflash::cuda

@@ -177,11 +177,8 @@ void* allocate(int device, size_t bytes, void* stream) {
 }
 
 void release(int device, void* data, void* stream) noexcept {
-  int previous = device;
-  cudaGetDevice(&previous);
-  if (previous != device) cudaSetDevice(device);
+  const QuietDeviceGuard guard(device);
   cudaFreeAsync(data, static_cast<cudaStream_t>(stream));
-  if (previous != device) cudaSetDevice(previous);
 }
 
 }  // namespace ringflash::cuda
