@@ -284,8 +284,6 @@ class DoneRequest : public CommRequest {
   void wait() override {}
 };
 
-class NcclCommunicator;
-
 // Device-memory messages in flight: wait() makes the stream of the call wait for them.
 class StreamRequest : public CommRequest {
  public:
@@ -373,8 +371,7 @@ class NcclCommunicator : public Communicator {
     }
     RINGFLASH_CHECK(!(device && host), InvalidArgument, prefix("send_recv"),
                     "the buffers of one call must all be in device memory or all in host memory");
-    for (const P2POp& op : ops)
-      if (op.kind == P2POp::Kind::kSend && op.peer != rank_) stats_.bytes_sent += op.bytes;
+    count_sent(ops);
     if (host) {
       exchange_host("send_recv", ops);
       return std::make_unique<DoneRequest>();
@@ -443,10 +440,10 @@ class NcclCommunicator : public Communicator {
     // A grace past the deadline: an operation late by its own deadline is the watchdog's to report,
     // with its op and peer.
     const Clock::time_point start = Clock::now(), deadline = start + timeout_ + kSynchronizeGrace;
+    const std::string late =
+        str_cat(prefix("synchronize"), "operations in flight did not complete within ", seconds(timeout_), " s");
     for (cudaStream_t s : {comm_stream_, static_cast<cudaStream_t>(stream_)}) {
       cudaEvent_t done = record(s);
-      const std::string late = str_cat(prefix("synchronize"), "operations in flight did not complete within ",
-                                       seconds(timeout_), " s");
       const std::string error = poll(done, deadline, late);
       cudaEventDestroy(done);
       if (!error.empty()) {
@@ -463,6 +460,12 @@ class NcclCommunicator : public Communicator {
   bool in_device_memory(const void* send, const void* recv) {
     cuda::DeviceGuard guard(device_);
     return is_capturing(static_cast<cudaStream_t>(stream_)) || is_device_memory(send) || is_device_memory(recv);
+  }
+
+  // Counts what `ops` send to other ranks in stats_.
+  void count_sent(const std::vector<P2POp>& ops) {
+    for (const P2POp& op : ops)
+      if (op.kind == P2POp::Kind::kSend && op.peer != rank_) stats_.bytes_sent += op.bytes;
   }
 
   cudaEvent_t record(cudaStream_t stream) {
@@ -528,8 +531,7 @@ class NcclCommunicator : public Communicator {
   // A device-memory collective: posted and joined back into stream() at once.
   void blocking_device(const char* op, const std::vector<P2POp>& ops) {
     world_->throw_if_failed();
-    for (const P2POp& o : ops)
-      if (o.kind == P2POp::Kind::kSend && o.peer != rank_) stats_.bytes_sent += o.bytes;
+    count_sent(ops);
     cuda::DeviceGuard guard(device_);
     post(op, ops)->wait();
   }
