@@ -18,6 +18,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -487,11 +488,11 @@ class Agreements {
     }
     return k;
   }
-  const int64_t* find(const std::string& key) {
+  std::optional<int64_t> find(const std::string& key) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [k, seqlen] : entries_)
-      if (k == key) return &seqlen;
-    return nullptr;
+      if (k == key) return seqlen;
+    return std::nullopt;
   }
   void add(std::string key, int64_t seqlen) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -502,7 +503,7 @@ class Agreements {
  private:
   static constexpr size_t kMaxEntries = 64;
   std::mutex mutex_;
-  std::deque<std::pair<std::string, int64_t>> entries_;  // stable addresses
+  std::deque<std::pair<std::string, int64_t>> entries_;  // oldest first
 };
 
 Agreements& agreements() {
@@ -529,7 +530,7 @@ Problem prepare(const Call& c) {
   const bool remembered = d.error_kind == kOk && stream_ordered(c.group);
   const std::string key = remembered ? Agreements::key(c, d) : std::string();
   if (remembered) {
-    if (const int64_t* seqlen = agreements().find(key)) {
+    if (const std::optional<int64_t> seqlen = agreements().find(key)) {
       prob.seqlen = *seqlen;
       return prob;
     }
