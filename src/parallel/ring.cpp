@@ -200,8 +200,7 @@ class Ring {
         geo_(make_geometry(layout, p, world_)),
         band_(band_of(p.params)),
         steps_(ring_steps(geo_, band_, p.params)),
-        max_rows_(*std::max_element(geo_.rows.begin(), geo_.rows.end())),
-        kv_elements_(geo_.batch * max_rows_ * p.heads_kv * p.head_dim),
+        kv_elements_(geo_.batch * *std::max_element(geo_.rows.begin(), geo_.rows.end()) * p.heads_kv * p.head_dim),
         device_(p.q.device()),
         stream_(p.params.stream) {
     q_ = batched(p.q, p.packed);
@@ -216,7 +215,7 @@ class Ring {
     const size_t acc_at = layout.add(own_acc ? static_cast<size_t>(out.numel()) * sizeof(float) : 0);
     plan_travel(layout);
     workspace_ = kernels::Workspace(device_, layout.total(), stream_);
-    const TensorView acc = own_acc ? accumulator(acc_at, out) : out;
+    const TensorView acc = own_acc ? contiguous_like(workspace_.data() + acc_at, DType::kFloat32, out) : out;
     kernels::fill(acc, 0.0f, stream_);
     kernels::fill(lse, -std::numeric_limits<float>::infinity(), stream_);
 
@@ -252,7 +251,7 @@ class Ring {
     const size_t block_at = layout.add(grad_bytes);
     plan_travel(layout);
     workspace_ = kernels::Workspace(device_, layout.total(), stream_);
-    const TensorView dq_acc = own_dq ? accumulator(dq_at, dq) : dq;
+    const TensorView dq_acc = own_dq ? contiguous_like(workspace_.data() + dq_at, DType::kFloat32, dq) : dq;
     kernels::fill(dq_acc, 0.0f, stream_);
     unsigned char* own = workspace_.data() + own_at;
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
@@ -368,12 +367,6 @@ class Ring {
   static TensorView rows(const TensorView& t, const Block& b) { return narrow(t, 1, b.row, b.count); }
   static TensorView lse_rows(const TensorView& lse, const Block& b) { return narrow(lse, 2, b.row, b.count); }
 
-  // A contiguous fp32 tensor shaped like `like`, in the workspace at `offset`.
-  TensorView accumulator(size_t offset, const TensorView& like) const {
-    return contiguous(workspace_.data() + offset, DType::kFloat32, device_, like.size(0), like.size(1), like.size(2),
-                      like.size(3));
-  }
-
   // Room in the workspace for the K/V in flight, and for a contiguous copy of this rank's K/V when
   // the caller's are strided (a message is one contiguous block).
   void plan_travel(kernels::WorkspaceLayout& layout) {
@@ -396,21 +389,17 @@ class Ring {
 
   unsigned char* travel(int i) const { return workspace_.data() + travel_at_[i]; }
 
-  // K and V of `rank` in a travel buffer: [k | v], each (B, rows, Hkv, D).
-  KeyValues kv_views(unsigned char* data, int rank) const {
-    const DType dtype = p_.k.dtype();
+  // K and V (or dK and dV) of `rank` at `data`: [k | v], each (B, rows, Hkv, D) of `dtype`.
+  KeyValues pair_views(unsigned char* data, DType dtype, int rank) const {
     const int64_t n = rows_elements(rank);
     return {contiguous(data, dtype, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
             contiguous(data + n * static_cast<int64_t>(dtype_size(dtype)), dtype, device_, geo_.batch,
                        geo_.rows[rank], p_.heads_kv, p_.head_dim)};
   }
-
-  KeyValues grad_views(unsigned char* data, int rank) const {
-    const int64_t n = rows_elements(rank);
-    auto* f = reinterpret_cast<float*>(data);
-    return {contiguous(f, DType::kFloat32, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim),
-            contiguous(f + n, DType::kFloat32, device_, geo_.batch, geo_.rows[rank], p_.heads_kv, p_.head_dim)};
-  }
+  // K and V of `rank` in a travel buffer.
+  KeyValues kv_views(unsigned char* data, int rank) const { return pair_views(data, p_.k.dtype(), rank); }
+  // The fp32 dK and dV of `rank`'s block at `data`.
+  KeyValues grad_views(unsigned char* data, int rank) const { return pair_views(data, DType::kFloat32, rank); }
 
   // The K/V visited at step s: this rank's own at step 0, then what step s - 1 received.
   KeyValues key_values(int s) const { return s == 0 ? home_ : kv_views(travel((s - 1) % 2), source(s)); }
@@ -451,7 +440,7 @@ class Ring {
   const Geometry geo_;
   const Band band_;
   const int steps_;
-  const int64_t max_rows_, kv_elements_;
+  const int64_t kv_elements_;  // of one of K, V, dK, dV for the rank with the most rows
   const Device device_;
   void* const stream_;
   TensorView q_;
