@@ -310,8 +310,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   for (auto [grad, name] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
     for (auto [other, other_name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}})
       RINGFLASH_CHECK(grad == other || grad->data() != other->data() || grad->numel() == 0 || other->numel() == 0,
-                      InvalidArgument,
-                      "[attention_backward] ", name, " must not alias ", other_name);
+                      InvalidArgument, "[attention_backward] ", name, " must not alias ", other_name);
   if (q.numel() == 0 && k.numel() == 0) return;
   if (q.device().type == DeviceType::kCUDA) {
     require_cuda("attention_backward", args);

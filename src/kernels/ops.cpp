@@ -75,10 +75,10 @@ ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, const TensorView* 
 
 // ---- CPU ----------------------------------------------------------------------------------
 
-// Calls fn(dst element offset, src element offset, n) for each innermost run of n elements.
+// Calls fn(dst element offset, src element offset, n) for each innermost run of n elements of a
+// non-empty view (run() returns before empty ones).
 template <typename Fn>
 void for_each_run(const ElementwiseArgs& a, Fn&& fn) {
-  if (a.numel == 0) return;
   if (a.ndim == 0) return fn(int64_t{0}, int64_t{0}, int64_t{1});
   const int last = a.ndim - 1;
   int64_t index[TensorView::kMaxDims] = {};

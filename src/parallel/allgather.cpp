@@ -131,7 +131,7 @@ class AllGather {
       const KeyValues dkv{joined_tokens(plan_, at(dk_at), DType::kFloat32, device_, slice.count, dim_),
                           joined_tokens(plan_, at(dv_at), DType::kFloat32, device_, slice.count, dim_)};
       for (const TensorView& t : {dq, dkv.k, dkv.v}) kernels::fill(t, 0.0f, stream_);
-      // A rank without rows has no gradient to add (and its empty dq shares dk's address).
+      // A rank without rows has no gradient to add.
       if (dq.numel() > 0)
         attention_backward(narrow(p_.q, -2, q), k, v, narrow(p_.out, -2, q), narrow(p_.dout, -2, q),
                            narrow(p_.lse, -2, q), dq, dkv.k, dkv.v, params(q, true));
