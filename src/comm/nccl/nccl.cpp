@@ -4,7 +4,11 @@
 // call ever blocks the host, so every wait can keep its deadline):
 //   - `data`: messages in device memory, enqueued on the communicator's own comm stream. A call
 //     forks the comm stream from stream() with an event, and its request's wait() joins it back:
-//     no host synchronisation, and a CUDA graph can capture both.
+//     no host synchronisation, and a CUDA graph can capture both. A non-blocking ncclGroupEnd
+//     returns before NCCL's own thread has put the group's kernel on the comm stream; the call
+//     does not wait for that (the kernels the caller launches next start at once), and the group
+//     "lands" (its end is recorded on the comm stream) when its request is waited on or the next
+//     call needs the channel, whichever comes first.
 //   - `control`: messages in host memory (the strategies' agreement on their arguments, split,
 //     barrier). They go through a device staging buffer and the host waits for them.
 // A World (the communicators made by one init and their splits) shares a failure state and a
@@ -194,13 +198,17 @@ class Channel {
   // throw CommError: "<prefix><NCCL's words>", or "<prefix><timeout_error>" at the deadline.
   template <typename Issue>
   void run(const std::string& prefix, Clock::time_point deadline, const std::string& timeout_error, Issue&& issue) {
-    {
-      std::lock_guard<std::mutex> lock(world_->mutex());
-      if (!world_->failure().empty()) throw CommError(world_->failure());
-      const ncclResult_t rc = issue(comm());
-      if (rc != ncclSuccess && rc != ncclInProgress) fail_throw_locked(prefix + nccl_error(comm(), rc));
-    }
+    this->issue(prefix, std::forward<Issue>(issue));
     settle(prefix, deadline, timeout_error);
+  }
+
+  // run() without the wait: the caller settles before comm() takes another call.
+  template <typename Issue>
+  void issue(const std::string& prefix, Issue&& issue) {
+    std::lock_guard<std::mutex> lock(world_->mutex());
+    if (!world_->failure().empty()) throw CommError(world_->failure());
+    const ncclResult_t rc = issue(comm());
+    if (rc != ncclSuccess && rc != ncclInProgress) fail_throw_locked(prefix + nccl_error(comm(), rc));
   }
 
   // Waits until comm() is no longer busy with a non-blocking call.
@@ -284,28 +292,81 @@ class DoneRequest : public CommRequest {
   void wait() override {}
 };
 
+// A group posted on the data channel. land() waits until NCCL has enqueued it on the comm stream,
+// then records `done` there and hands it to the watchdog (outside graph capture).
+class Launch {
+ public:
+  Launch(std::shared_ptr<World> world, const Channel& channel, cudaStream_t comm_stream, std::string prefix,
+         std::string late, Clock::time_point deadline, bool watched)
+      : world_(std::move(world)), channel_(channel), comm_stream_(comm_stream), prefix_(std::move(prefix)),
+        late_(std::move(late)), deadline_(deadline), watched_(watched) {}
+  ~Launch() {
+    if (done_) cudaEventDestroy(done_);
+  }
+  Launch(const Launch&) = delete;
+  Launch& operator=(const Launch&) = delete;
+
+  bool landed() const { return landed_; }
+  cudaEvent_t done() const { return done_; }
+
+  // Throws CommError if NCCL fails or has not taken the group by the deadline.
+  void land() {
+    if (landed_) return;
+    landed_ = true;  // once: a failure here fails the world, and later calls throw that
+    channel_.settle(prefix_, deadline_, late_);
+    RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    RINGFLASH_CUDA_CHECK(cudaEventRecord(done_, comm_stream_));
+    if (watched_) {
+      cudaEvent_t watched = nullptr;
+      RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&watched, cudaEventDisableTiming));
+      RINGFLASH_CUDA_CHECK(cudaEventRecord(watched, comm_stream_));
+      world_->watch(watched, deadline_, late_);
+    }
+  }
+
+ private:
+  std::shared_ptr<World> world_;
+  Channel channel_;
+  cudaStream_t comm_stream_;
+  std::string prefix_, late_;
+  Clock::time_point deadline_;
+  bool watched_;
+  bool landed_ = false;
+  cudaEvent_t done_ = nullptr;
+};
+
 // Device-memory messages in flight: wait() makes the stream of the call wait for them.
 class StreamRequest : public CommRequest {
  public:
-  StreamRequest(std::shared_ptr<World> world, cudaEvent_t done, cudaStream_t stream, int device)
-      : world_(std::move(world)), done_(done), stream_(stream), device_(device) {}
-  ~StreamRequest() override { join(); }
-  void wait() override {
+  StreamRequest(std::shared_ptr<World> world, std::shared_ptr<Launch> launch, cudaStream_t stream, int device)
+      : world_(std::move(world)), launch_(std::move(launch)), stream_(stream), device_(device) {}
+  ~StreamRequest() override {
+    if (!launch_) return;
+    const cuda::QuietDeviceGuard guard(device_);
+    try {
+      launch_->land();
+    } catch (...) {  // the world has failed; there is nothing to join
+    }
     join();
+  }
+  void wait() override {
+    if (!launch_) return world_->throw_if_failed();
+    {
+      cuda::DeviceGuard guard(device_);
+      launch_->land();
+      join();
+    }
     world_->throw_if_failed();
   }
 
  private:
   void join() noexcept {
-    if (!done_) return;
-    const cuda::QuietDeviceGuard guard(device_);
-    cudaStreamWaitEvent(stream_, done_, 0);
-    cudaEventDestroy(done_);
-    done_ = nullptr;
+    if (launch_->done()) cudaStreamWaitEvent(stream_, launch_->done(), 0);
+    launch_.reset();
   }
 
   std::shared_ptr<World> world_;
-  cudaEvent_t done_;
+  std::shared_ptr<Launch> launch_;
   cudaStream_t stream_;
   int device_;
 };
@@ -328,6 +389,10 @@ class NcclCommunicator : public Communicator {
 
   ~NcclCommunicator() override {
     const cuda::QuietDeviceGuard guard(device_);
+    try {
+      land_posted();
+    } catch (...) {  // the world has failed: close() aborts
+    }
     const Clock::time_point deadline = Clock::now() + timeout_;
     control_.close(deadline);  // split from data_: closed first
     data_.close(deadline);
@@ -350,6 +415,7 @@ class NcclCommunicator : public Communicator {
     const Clock::time_point deadline = Clock::now() + timeout_;
     ncclComm_t data = nullptr, control = nullptr;
     ncclConfig_t config = nonblocking_config();
+    land_posted();
     data_.run(prefix, deadline, late, [&](ncclComm_t c) { return ncclCommSplit(c, color, key, &data, &config); });
     control_.run(prefix, deadline, late, [&](ncclComm_t c) { return ncclCommSplit(c, color, key, &control, &config); });
     auto child = std::make_unique<NcclCommunicator>(world_, data, control, new_rank,
@@ -442,6 +508,7 @@ class NcclCommunicator : public Communicator {
     const Clock::time_point start = Clock::now(), deadline = start + timeout_ + kSynchronizeGrace;
     const std::string late =
         str_cat(prefix("synchronize"), "operations in flight did not complete within ", seconds(timeout_), " s");
+    land_posted();
     for (cudaStream_t s : {comm_stream_, static_cast<cudaStream_t>(stream_)}) {
       cudaEvent_t done = record(s);
       const std::string error = poll(done, deadline, late);
@@ -507,25 +574,30 @@ class NcclCommunicator : public Communicator {
   }
 
   // Device memory: forks the comm stream from stream(), posts the group on it, and returns the
-  // request that joins it back. The watchdog holds the deadline (none under graph capture).
+  // request that joins it back, without waiting for the group to land. The watchdog holds the
+  // deadline (none under graph capture).
   std::unique_ptr<CommRequest> post(const char* op, const std::vector<P2POp>& ops) {
+    land_posted();
     const auto stream = static_cast<cudaStream_t>(stream_);
     cudaEvent_t ready = record(stream);
     RINGFLASH_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready, 0));
     cudaEventDestroy(ready);
-    const std::string late = no_message(op, ops);
     const Clock::time_point deadline = Clock::now() + timeout_;
-    data_.run(prefix(op), deadline, late, [&](ncclComm_t c) {
+    auto launch = std::make_shared<Launch>(world_, data_, comm_stream_, prefix(op), no_message(op, ops), deadline,
+                                           !is_capturing(stream));
+    data_.issue(prefix(op), [&](ncclComm_t c) {
       ncclGroupStart();
       enqueue(c, ops, comm_stream_);
       return ncclGroupEnd();
     });
-    cudaEvent_t done = record(comm_stream_);
-    if (!is_capturing(stream)) {
-      cudaEvent_t watched = record(comm_stream_);
-      world_->watch(watched, deadline, late);
-    }
-    return std::make_unique<StreamRequest>(world_, done, stream, device_);
+    posted_ = launch;
+    return std::make_unique<StreamRequest>(world_, std::move(launch), stream, device_);
+  }
+
+  // Lands the last group posted, if its request has not: the data channel takes no other call, and
+  // the comm stream no other group, before it has.
+  void land_posted() {
+    if (const std::shared_ptr<Launch> launch = std::exchange(posted_, nullptr)) launch->land();
   }
 
   // A device-memory collective: posted and joined back into stream() at once.
@@ -583,6 +655,7 @@ class NcclCommunicator : public Communicator {
   Channel data_, control_;
   const int rank_, size_, device_;
   cudaStream_t comm_stream_ = nullptr, control_stream_ = nullptr;
+  std::shared_ptr<Launch> posted_;  // the last group posted on data_, until it lands
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
 };

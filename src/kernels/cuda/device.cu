@@ -148,6 +148,22 @@ bool is_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+// Scratch memory of one call, from allocate() (ringflash's pool) and released stream-ordered when
+// the call returns or throws.
+struct Scratch {
+  int device;
+  void* stream;
+  void* data = nullptr;
+  Scratch(int device, size_t bytes, void* stream) : device(device), stream(stream) {
+    if (bytes > 0) data = allocate(device, bytes, stream);
+  }
+  ~Scratch() {
+    if (data) release(device, data, stream);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
 std::string describe() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
@@ -186,8 +202,9 @@ void attention_backward(const AttentionArgs& args) {
   Params p = make_params(args);
 
   // Workspace: dsum and lse2 (rows x heads each) and, unless dq itself is fp32 or dQ is computed
-  // per query tile, the fp32 dq accumulator (rows x heads x head_dim). Stream-ordered, so graph
-  // capture works.
+  // per query tile, the fp32 dq accumulator (rows x heads x head_dim). From ringflash's pool, which
+  // keeps its memory between calls (the default pool gives it back at every synchronisation, and
+  // the next call maps it again); stream-ordered, so graph capture works.
   const bool packed = args.cu_seqlens_q != nullptr;
   const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
   // Each array starts at a 128-byte boundary: the conversion pass reads dq_accum in 16-byte vectors.
@@ -195,10 +212,9 @@ void attention_backward(const AttentionArgs& args) {
   const int64_t stat_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
-  void* workspace = nullptr;
   const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
-  if (workspace_bytes > 0) RINGFLASH_CUDA_CHECK(cudaMallocAsync(&workspace, workspace_bytes, stream));
-  p.dsum = static_cast<float*>(workspace);
+  const Scratch workspace(device, workspace_bytes, args.stream);
+  p.dsum = static_cast<float*>(workspace.data);
   p.lse2 = p.dsum + stat_elements;
   p.stat_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
   p.stat_head_stride = args.rows_q;
@@ -213,15 +229,8 @@ void attention_backward(const AttentionArgs& args) {
     p.dq_accum_row_stride = args.dq.row_stride;
     p.dq_accum_head_stride = args.dq.head_stride;
   }
-  try {
-    if (dq_buffer)
-      RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
-    k.backward(p, total_rows, stream);
-  } catch (...) {
-    if (workspace) cudaFreeAsync(workspace, stream);
-    throw;
-  }
-  if (workspace) RINGFLASH_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  if (dq_buffer) RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
+  k.backward(p, total_rows, stream);
 }
 
 }  // namespace ringflash::cuda

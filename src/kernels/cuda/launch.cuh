@@ -62,7 +62,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   const int64_t row_heads = total_rows * a.heads_q;  // 0 when there are no queries: dK = dV = 0
   if (row_heads > 0) {
     const auto dot = a.out_dtype == DType::kFloat32 ? dot_do_o_kernel<T, float, kHeadDim> : dot_do_o_kernel<T, T, kHeadDim>;
-    dot<<<blocks_for(row_heads, kThreads), kThreads, 0, stream>>>(p, total_rows);
+    dot<<<blocks_for(row_heads * kDotLanes<kHeadDim>, kThreads), kThreads, 0, stream>>>(p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 
