@@ -26,9 +26,15 @@ const char* op_name(ElementwiseOp op) {
   return "elementwise";
 }
 
-// The arguments for `dst` (and `src`, unless null), with size-1 dimensions dropped and neighbours
-// that are contiguous in both views merged.
-ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, const TensorView* src, void* stream) {
+// A source of an elementwise op and the name its errors give it.
+struct Source {
+  const TensorView* view = nullptr;  // none when null
+  const char* name = "src";
+};
+
+// The arguments for `dst` and its sources, with size-1 dimensions dropped and neighbours that are
+// contiguous in every view merged.
+ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, Source src, void* stream, Source src2 = {}) {
   const char* name = op_name(op);
   ElementwiseArgs a;
   a.op = op;
@@ -37,37 +43,46 @@ ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, const TensorView* 
   a.stream = stream;
   a.device = dst.device().index;
   a.numel = dst.numel();
-  if (src) {
-    bool same = src->ndim() == dst.ndim();
-    for (int d = 0; same && d < dst.ndim(); ++d) same = src->size(d) == dst.size(d);
-    RINGFLASH_CHECK(same, InvalidArgument, "[", name, "] src must have dst's shape ", dst.shape_string(), ", got ",
-                    src->shape_string());
-    RINGFLASH_CHECK(src->device() == dst.device(), InvalidArgument, "[", name, "] src must be on ",
-                    device_name(dst.device()), " like dst, got ", device_name(src->device()));
-    a.src = src->data();
-    a.src_dtype = src->dtype();
+  for (const Source& from : {src, src2}) {
+    if (!from.view) continue;
+    const TensorView& v = *from.view;
+    bool same = v.ndim() == dst.ndim();
+    for (int d = 0; same && d < dst.ndim(); ++d) same = v.size(d) == dst.size(d);
+    RINGFLASH_CHECK(same, InvalidArgument, "[", name, "] ", from.name, " must have dst's shape ", dst.shape_string(),
+                    ", got ", v.shape_string());
+    RINGFLASH_CHECK(v.device() == dst.device(), InvalidArgument, "[", name, "] ", from.name, " must be on ",
+                    device_name(dst.device()), " like dst, got ", device_name(v.device()));
+    RINGFLASH_CHECK(a.numel == 0 || v.data(), InvalidArgument, "[", name, "] ", from.name, " must not be null for ",
+                    a.numel, " elements");
   }
+  if (src.view) {
+    a.src = src.view->data();
+    a.src_dtype = src.view->dtype();
+  }
+  if (src2.view) a.src2 = src2.view->data();
   RINGFLASH_CHECK(a.numel == 0 || a.dst, InvalidArgument, "[", name, "] dst must not be null for ", a.numel,
                   " elements");
-  RINGFLASH_CHECK(a.numel == 0 || !src || a.src, InvalidArgument, "[", name, "] src must not be null for ", a.numel,
-                  " elements");
+  const auto stride_of = [](const Source& from, int d) { return from.view ? from.view->stride(d) : int64_t{0}; };
   for (int d = 0; d < dst.ndim(); ++d) {
     if (dst.size(d) == 1) continue;
-    const int64_t ss = src ? src->stride(d) : 0;
+    const int64_t ss = stride_of(src, d), ss2 = stride_of(src2, d);
     if (a.ndim > 0) {
       const int last = a.ndim - 1;
-      const bool merges = a.dst_stride[last] == dst.stride(d) * dst.size(d) &&
-                          (!src || a.src_stride[last] == ss * dst.size(d));
+      const int64_t n = dst.size(d);
+      const bool merges = a.dst_stride[last] == dst.stride(d) * n && a.src_stride[last] == ss * n &&
+                          a.src2_stride[last] == ss2 * n;
       if (merges) {
-        a.size[last] *= dst.size(d);
+        a.size[last] *= n;
         a.dst_stride[last] = dst.stride(d);
         a.src_stride[last] = ss;
+        a.src2_stride[last] = ss2;
         continue;
       }
     }
     a.size[a.ndim] = dst.size(d);
     a.dst_stride[a.ndim] = dst.stride(d);
     a.src_stride[a.ndim] = ss;
+    a.src2_stride[a.ndim] = ss2;
     ++a.ndim;
   }
   return a;
@@ -75,20 +90,26 @@ ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, const TensorView* 
 
 // ---- CPU ----------------------------------------------------------------------------------
 
-// Calls fn(dst element offset, src element offset, n) for each innermost run of n elements of a
-// non-empty view (run() returns before empty ones).
+// Element offsets of the start of a run in each view.
+struct Offsets {
+  int64_t dst = 0, src = 0, src2 = 0;
+};
+
+// Calls fn(Offsets, n) for each innermost run of n elements of a non-empty view (run() returns
+// before empty ones).
 template <typename Fn>
 void for_each_run(const ElementwiseArgs& a, Fn&& fn) {
-  if (a.ndim == 0) return fn(int64_t{0}, int64_t{0}, int64_t{1});
+  if (a.ndim == 0) return fn(Offsets{}, int64_t{1});
   const int last = a.ndim - 1;
   int64_t index[TensorView::kMaxDims] = {};
   for (;;) {
-    int64_t dst = 0, src = 0;
+    Offsets at;
     for (int d = 0; d < last; ++d) {
-      dst += index[d] * a.dst_stride[d];
-      src += index[d] * a.src_stride[d];
+      at.dst += index[d] * a.dst_stride[d];
+      at.src += index[d] * a.src_stride[d];
+      at.src2 += index[d] * a.src2_stride[d];
     }
-    fn(dst, src, a.size[last]);
+    fn(at, a.size[last]);
     int d = last - 1;
     for (; d >= 0; --d) {
       if (++index[d] < a.size[d]) break;
@@ -103,8 +124,8 @@ void fill_cpu(const ElementwiseArgs& a) {
   const T x = cpu::from_float<T>(a.value);
   T* base = static_cast<T*>(a.dst);
   const int64_t step = a.ndim ? a.dst_stride[a.ndim - 1] : 1;
-  for_each_run(a, [&](int64_t dst, int64_t, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) base[dst + i * step] = x;
+  for_each_run(a, [&](Offsets at, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) base[at.dst + i * step] = x;
   });
 }
 
@@ -113,12 +134,23 @@ void convert_cpu(const ElementwiseArgs& a) {
   const S* src = static_cast<const S*>(a.src);
   D* dst = static_cast<D*>(a.dst);
   const int64_t ds = a.ndim ? a.dst_stride[a.ndim - 1] : 1, ss = a.ndim ? a.src_stride[a.ndim - 1] : 1;
-  for_each_run(a, [&](int64_t d, int64_t s, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = cpu::to_float(src[s + i * ss]);
-      if (a.op == ElementwiseOp::kAdd) dst[d + i * ds] = cpu::from_float<D>(cpu::to_float(dst[d + i * ds]) + x);
-      else dst[d + i * ds] = cpu::from_float<D>(x);
-    }
+  for_each_run(a, [&](Offsets at, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[at.dst + i * ds] = cpu::from_float<D>(cpu::to_float(src[at.src + i * ss]));
+  });
+}
+
+// kAdd: src and src2 are float32; the sum is rounded once, to dst's dtype.
+template <typename D>
+void add_cpu(const ElementwiseArgs& a) {
+  const auto* src = static_cast<const float*>(a.src);
+  const auto* src2 = static_cast<const float*>(a.src2);
+  D* dst = static_cast<D*>(a.dst);
+  const int last = a.ndim - 1;
+  const int64_t ds = a.ndim ? a.dst_stride[last] : 1, ss = a.ndim ? a.src_stride[last] : 1;
+  const int64_t ss2 = a.ndim ? a.src2_stride[last] : 1;
+  for_each_run(a, [&](Offsets at, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      dst[at.dst + i * ds] = cpu::from_float<D>(src[at.src + i * ss] + src2[at.src2 + i * ss2]);
   });
 }
 
@@ -136,12 +168,13 @@ void bit_copy_cpu(const ElementwiseArgs& a) {
   auto* dst = static_cast<unsigned char*>(a.dst);
   const auto* src = static_cast<const unsigned char*>(a.src);
   const int64_t ds = a.ndim ? a.dst_stride[a.ndim - 1] : 1, ss = a.ndim ? a.src_stride[a.ndim - 1] : 1;
-  for_each_run(a, [&](int64_t d, int64_t s, int64_t n) {
+  for_each_run(a, [&](Offsets at, int64_t n) {
     if (ds == 1 && ss == 1) {
-      std::memcpy(dst + d * size, src + s * size, static_cast<size_t>(n) * size);
+      std::memcpy(dst + at.dst * size, src + at.src * size, static_cast<size_t>(n) * size);
       return;
     }
-    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + (d + i * ds) * size, src + (s + i * ss) * size, size);
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(dst + (at.dst + i * ds) * size, src + (at.src + i * ss) * size, size);
   });
 }
 
@@ -153,7 +186,14 @@ void run_cpu(const ElementwiseArgs& a) {
       default: return fill_cpu<cpu::BFloat16>(a);
     }
   }
-  if (a.op == ElementwiseOp::kCopy && a.src_dtype == a.dst_dtype) return bit_copy_cpu(a);
+  if (a.op == ElementwiseOp::kAdd) {
+    switch (a.dst_dtype) {
+      case DType::kFloat32: return add_cpu<float>(a);
+      case DType::kFloat16: return add_cpu<_Float16>(a);
+      default: return add_cpu<cpu::BFloat16>(a);
+    }
+  }
+  if (a.src_dtype == a.dst_dtype) return bit_copy_cpu(a);
   switch (a.src_dtype) {
     case DType::kFloat32: return convert_from<float>(a);
     case DType::kFloat16: return convert_from<_Float16>(a);
@@ -172,7 +212,7 @@ void run(const ElementwiseArgs& a, Device device) {
 void fill(const TensorView& dst, float value, void* stream) {
   RINGFLASH_CHECK(is_float(dst.dtype()), InvalidArgument,
                   "[fill] dst must have dtype float32, float16 or bfloat16, got ", dtype_name(dst.dtype()));
-  ElementwiseArgs a = fold(ElementwiseOp::kFill, dst, nullptr, stream);
+  ElementwiseArgs a = fold(ElementwiseOp::kFill, dst, {}, stream);
   a.value = value;
   run(a, dst.device());
 }
@@ -181,14 +221,21 @@ void copy(const TensorView& src, const TensorView& dst, void* stream) {
   RINGFLASH_CHECK(src.dtype() == dst.dtype() || (is_float(src.dtype()) && is_float(dst.dtype())), InvalidArgument,
                   "[copy] src and dst must have one dtype, or both float dtypes, got ", dtype_name(src.dtype()),
                   " and ", dtype_name(dst.dtype()));
-  run(fold(ElementwiseOp::kCopy, dst, &src, stream), dst.device());
+  run(fold(ElementwiseOp::kCopy, dst, {&src}, stream), dst.device());
 }
 
 void add(const TensorView& src, const TensorView& dst, void* stream) {
   RINGFLASH_CHECK(src.dtype() == DType::kFloat32 && dst.dtype() == DType::kFloat32, InvalidArgument,
                   "[add] src and dst must have dtype float32, got ", dtype_name(src.dtype()), " and ",
                   dtype_name(dst.dtype()));
-  run(fold(ElementwiseOp::kAdd, dst, &src, stream), dst.device());
+  run(fold(ElementwiseOp::kAdd, dst, {&src}, stream, {&dst, "dst"}), dst.device());
+}
+
+void add(const TensorView& a, const TensorView& b, const TensorView& dst, void* stream) {
+  RINGFLASH_CHECK(a.dtype() == DType::kFloat32 && b.dtype() == DType::kFloat32 && is_float(dst.dtype()),
+                  InvalidArgument, "[add] a and b must have dtype float32 and dst a float dtype, got ",
+                  dtype_name(a.dtype()), ", ", dtype_name(b.dtype()), " and ", dtype_name(dst.dtype()));
+  run(fold(ElementwiseOp::kAdd, dst, {&a, "a"}, stream, {&b, "b"}), dst.device());
 }
 
 void upload(const void* src, size_t bytes, void* dst, Device device, void* stream) {

@@ -22,6 +22,10 @@ void copy(const TensorView& src, const TensorView& dst, void* stream);
 // dst += src, both float32. The views must not overlap.
 void add(const TensorView& src, const TensorView& dst, void* stream);
 
+// dst = a + b: a and b float32, dst float32, float16 or bfloat16 (the sum rounded once, to
+// nearest even). dst may be b itself (the same view); the views must not overlap otherwise.
+void add(const TensorView& a, const TensorView& b, const TensorView& dst, void* stream);
+
 // `bytes` bytes from host memory `src` to `dst` on `device`. The bytes are taken at the call: `src`
 // may change at once, and a CUDA graph that captured the call replays the same bytes.
 void upload(const void* src, size_t bytes, void* dst, Device device, void* stream);

@@ -293,18 +293,22 @@ class Ring {
 
     // The partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
     // rank's own arrives from rank (r + steps - 1) mod P.
+    // dK and dV are this rank's own plus the partial that arrives, summed and rounded in one pass.
+    const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
+    const KeyValues mine = grad_views(own, rank_);
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
       unsigned char* arrived = partial[steps_ % 2];
-      const int64_t n = 2 * rows_elements(rank_);
       comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float), from,
-                               arrived, n * sizeof(float)))
+                               arrived, 2 * rows_elements(rank_) * sizeof(float)))
           ->wait();
-      kernels::add(flat(arrived, device_, n), flat(own, device_, n), stream_);
+      const KeyValues others = grad_views(arrived, rank_);
+      kernels::add(mine.k, others.k, dk, stream_);
+      kernels::add(mine.v, others.v, dv, stream_);
+    } else {
+      kernels::copy(mine.k, dk, stream_);
+      kernels::copy(mine.v, dv, stream_);
     }
-    const KeyValues mine = grad_views(own, rank_);
-    kernels::copy(mine.k, batched(p_.dk, p_.packed), stream_);
-    kernels::copy(mine.v, batched(p_.dv, p_.packed), stream_);
     if (own_dq) kernels::copy(dq_acc, dq, stream_);
   }
 

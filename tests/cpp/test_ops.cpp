@@ -1,4 +1,4 @@
-// kernels/ops.h on the CPU: fill, copy and add on strided views (every corner of dimension folding
+// kernels/ops.h on the CPU: fill, copy and add (two and three views) on strided views (every corner of dimension folding
 // against an index-by-index reference), float conversions rounding to nearest even, upload, the
 // workspace, and the errors bad arguments get.
 #include <gtest/gtest.h>
@@ -145,6 +145,39 @@ TEST(OpsAdd, StridedViewsMatchTheReference) {
         [](double x, double old) { return static_cast<double>(static_cast<float>(old) + static_cast<float>(x)); });
 }
 
+// dst = a + b: a in g's src geometry, b and dst in its dst geometry (separate buffers), the fp32
+// sum rounded once to dst's dtype.
+TEST(OpsAdd, ThreeViewsMatchTheReference) {
+  for (const Geometry& g : geometries())
+    for (DType to : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      SCOPED_TRACE(std::string(g.name) + ", float32 + float32 -> " + dtype_name(to));
+      const int64_t a_n = extent(g.shape, g.src_strides, g.src_offset);
+      const int64_t n = extent(g.shape, g.dst_strides, g.dst_offset);
+      auto a = buffer(DType::kFloat32, a_n, [](int64_t i) { return 1.0 + 0.37 * static_cast<double>(i); });
+      auto b = buffer(DType::kFloat32, n, [](int64_t i) { return 1e-3 * static_cast<double>(i) - 0.7; });
+      auto dst = buffer(to, n, [](int64_t) { return kSentinel; });
+      std::vector<double> want(static_cast<size_t>(n), kSentinel);
+      for_each_index(g, [&](int64_t s, int64_t d) {
+        const float sum = static_cast<float>(load_element(a.data(), DType::kFloat32, s)) +
+                          static_cast<float>(load_element(b.data(), DType::kFloat32, d));
+        want[d] = round_to(to, sum);
+      });
+      kernels::add(view(a, DType::kFloat32, g.shape, g.src_strides, g.src_offset),
+                   view(b, DType::kFloat32, g.shape, g.dst_strides, g.dst_offset),
+                   view(dst, to, g.shape, g.dst_strides, g.dst_offset), nullptr);
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(load_element(dst.data(), to, i), want[i]) << "element " << i;
+    }
+}
+
+TEST(OpsAdd, DstMayBeB) {
+  float a[6], b[6], c[6];
+  for (int i = 0; i < 6; ++i) a[i] = 0.1f * static_cast<float>(i), b[i] = c[i] = 3.0f - static_cast<float>(i);
+  const TensorView va(a, DType::kFloat32, kCpu, {2, 3}), vb(b, DType::kFloat32, kCpu, {2, 3});
+  kernels::add(va, vb, vb, nullptr);
+  kernels::add(va, TensorView(c, DType::kFloat32, kCpu, {2, 3}), nullptr);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(b[i], c[i]) << "element " << i;
+}
+
 TEST(OpsFill, StridedViewsMatchTheReference) {
   for (const Geometry& g : geometries())
     for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16})
@@ -248,6 +281,10 @@ TEST(OpsErrors, DtypeMismatch) {
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(halves, floats, nullptr), "[add]", "float32", "float16");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(floats, halves, nullptr), "[add]", "float16");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::fill(ints, 0.0f, nullptr), "[fill]", "int32");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(floats, floats, ints, nullptr), "[add]", "float dtype",
+                         "int32");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(floats, halves, floats, nullptr), "[add]", "a and b",
+                         "float16");
 }
 
 TEST(OpsErrors, ShapeMismatch) {
@@ -256,6 +293,8 @@ TEST(OpsErrors, ShapeMismatch) {
   const TensorView flat(b, DType::kFloat32, kCpu, {6});
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::copy(rows, cols, nullptr), "[copy]", "(3, 2)", "(2, 3)");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(rows, flat, nullptr), "[add]", "(6,)", "(2, 3)");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(rows, cols, rows, nullptr), "[add]", "b must have",
+                         "(2, 3)", "(3, 2)");
 }
 
 TEST(OpsErrors, DeviceMismatch) {
@@ -271,6 +310,7 @@ TEST(OpsErrors, NullPointers) {
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::copy(none, some, nullptr), "[copy]", "src", "null");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::copy(some, none, nullptr), "[copy]", "dst", "null");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(none, some, nullptr), "[add]", "src", "null");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::add(some, none, some, nullptr), "[add]", "b must not be null");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::upload(nullptr, 4, a, kCpu, nullptr), "[upload]", "null");
   EXPECT_RINGFLASH_ERROR(InvalidArgument, kernels::upload(a, 4, nullptr, kCpu, nullptr), "[upload]", "null");
 }

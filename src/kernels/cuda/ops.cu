@@ -35,27 +35,33 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Element offsets in dst and src of the i-th element, dimensions in row-major order.
-__device__ __forceinline__ void offsets(const ElementwiseArgs& a, int64_t i, int64_t& dst, int64_t& src) {
-  dst = 0;
-  src = 0;
+// Element offsets in dst, src and src2 of the i-th element, dimensions in row-major order.
+struct Offsets {
+  int64_t dst = 0, src = 0, src2 = 0;
+};
+
+__device__ __forceinline__ Offsets offsets(const ElementwiseArgs& a, int64_t i) {
+  Offsets at;
   for (int d = a.ndim - 1; d >= 0; --d) {
     const int64_t size = a.size[d];
     const int64_t q = d > 0 ? i / size : 0;
     const int64_t r = i - q * size;
-    dst += r * a.dst_stride[d];
-    src += r * a.src_stride[d];
+    at.dst += r * a.dst_stride[d];
+    at.src += r * a.src_stride[d];
+    at.src2 += r * a.src2_stride[d];
     i = q;
   }
+  return at;
 }
 
-// One element: kFill (src unused: null), kCopy with conversion, kAdd (S = D = float).
+// One element: kFill (src and src2 unused: null), kCopy with conversion (src2 unused), kAdd
+// (S = float, src2 float, the sum rounded once to D).
 template <ElementwiseOp kOp, typename S, typename D>
-__device__ __forceinline__ void apply(const ElementwiseArgs& a, D& dst, const S* src) {
+__device__ __forceinline__ void apply(const ElementwiseArgs& a, D& dst, const S* src, const float* src2) {
   if constexpr (kOp == ElementwiseOp::kFill) {
     dst = from_float<D>(a.value);
   } else if constexpr (kOp == ElementwiseOp::kAdd) {
-    dst += *src;
+    dst = from_float<D>(*src + *src2);
   } else if constexpr (std::is_same_v<S, D>) {
     dst = *src;
   } else {
@@ -77,10 +83,10 @@ __global__ void __launch_bounds__(kThreads) elementwise_kernel(const Elementwise
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
   D* dst = static_cast<D*>(a.dst);
   const S* src = static_cast<const S*>(a.src);
+  const float* src2 = static_cast<const float*>(a.src2);
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < a.numel; i += step) {
-    int64_t d, s;
-    offsets(a, i, d, s);
-    apply<kOp>(a, dst[d], src ? src + s : nullptr);
+    const Offsets at = offsets(a, i);
+    apply<kOp>(a, dst[at.dst], src ? src + at.src : nullptr, src2 ? src2 + at.src2 : nullptr);
   }
 }
 
@@ -91,28 +97,32 @@ __global__ void __launch_bounds__(kThreads) contiguous_kernel(const ElementwiseA
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
   auto* dst = static_cast<Pack<D>*>(a.dst);
   const auto* src = static_cast<const Pack<S>*>(a.src);
+  const auto* src2 = static_cast<const Pack<float>*>(a.src2);
   const int64_t packs = a.numel / kVec;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < packs; i += step) {
     Pack<S> in;
+    Pack<float> in2;
     if constexpr (kOp != ElementwiseOp::kFill) in = src[i];
+    if constexpr (kOp == ElementwiseOp::kAdd) in2 = src2[i];
     Pack<D> out;
-    if constexpr (kOp == ElementwiseOp::kAdd) out = dst[i];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) apply<kOp>(a, out.v[j], in.v + j);
+    for (int j = 0; j < kVec; ++j) apply<kOp>(a, out.v[j], in.v + j, in2.v + j);
     dst[i] = out;
   }
   // The last numel % kVec elements: one per thread of the first block.
   const int64_t tail = packs * kVec + (blockIdx.x == 0 ? threadIdx.x : kVec);
   const S* last = static_cast<const S*>(a.src);
-  if (tail < a.numel) apply<kOp>(a, static_cast<D*>(a.dst)[tail], last ? last + tail : nullptr);
+  const float* last2 = static_cast<const float*>(a.src2);
+  if (tail < a.numel)
+    apply<kOp>(a, static_cast<D*>(a.dst)[tail], last ? last + tail : nullptr, last2 ? last2 + tail : nullptr);
 }
 
 template <ElementwiseOp kOp, typename S, typename D>
 void launch(const ElementwiseArgs& a) {
   const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  const bool contiguous = a.ndim == 1 && a.dst_stride[0] == 1 && (kOp == ElementwiseOp::kFill || a.src_stride[0] == 1) &&
-                          aligned(a.dst, sizeof(Pack<D>)) &&
-                          (kOp == ElementwiseOp::kFill || aligned(a.src, sizeof(Pack<S>)));
+  const bool sources = kOp == ElementwiseOp::kFill || (a.src_stride[0] == 1 && aligned(a.src, sizeof(Pack<S>)));
+  const bool second = kOp != ElementwiseOp::kAdd || (a.src2_stride[0] == 1 && aligned(a.src2, sizeof(Pack<float>)));
+  const bool contiguous = a.ndim == 1 && a.dst_stride[0] == 1 && aligned(a.dst, sizeof(Pack<D>)) && sources && second;
   const int64_t per_block = contiguous ? int64_t{kThreads} * kVec : kThreads;
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((a.numel + per_block - 1) / per_block, kMaxBlocks));
   const auto kernel = contiguous ? contiguous_kernel<kOp, S, D> : elementwise_kernel<kOp, S, D>;
@@ -178,7 +188,7 @@ void elementwise(const ElementwiseArgs& a) {
     case ElementwiseOp::kFill:
       return with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kFill, decltype(d), decltype(d)>(a); });
     case ElementwiseOp::kAdd:
-      return launch<ElementwiseOp::kAdd, float, float>(a);
+      return with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kAdd, float, decltype(d)>(a); });
     case ElementwiseOp::kCopy:
       if (a.src_dtype == a.dst_dtype)
         return with_bits(dtype_size(a.dst_dtype),
