@@ -94,6 +94,22 @@ function(ringflash_add_backends target)
       endforeach()
     endforeach()
     target_sources(${target} PRIVATE ${src}/kernels/cuda/device.cu ${src}/kernels/cuda/ops.cu ${_instances})
+    # The Hopper kernels need the sm_90a target (wgmma, setmaxnreg), which no other architecture can
+    # run: their own objects, built for it alone, when the architectures include 90.
+    if("90" IN_LIST CMAKE_CUDA_ARCHITECTURES OR "90a" IN_LIST CMAKE_CUDA_ARCHITECTURES)
+      set(_sm90)
+      foreach(_dtype fp16 bf16)
+        list(APPEND _sm90 ${src}/kernels/cuda/instances/sm90_forward_${_dtype}_hdim128.cu)
+      endforeach()
+      add_library(${target}_sm90 OBJECT ${_sm90})
+      set_target_properties(${target}_sm90 PROPERTIES CUDA_ARCHITECTURES OFF POSITION_INDEPENDENT_CODE ON)
+      target_include_directories(${target}_sm90 PRIVATE ${src} ${PROJECT_SOURCE_DIR}/include)
+      target_compile_features(${target}_sm90 PRIVATE cxx_std_17)
+      target_compile_options(${target}_sm90 PRIVATE
+        -gencode=arch=compute_90a,code=sm_90a -Xptxas=--warn-on-spills -lineinfo --expt-relaxed-constexpr)
+      target_sources(${target} PRIVATE $<TARGET_OBJECTS:${target}_sm90>)
+      target_compile_definitions(${target} PRIVATE RINGFLASH_SM90)
+    endif()
     target_link_libraries(${target} PRIVATE CUDA::cudart)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=--warn-on-spills -lineinfo --expt-relaxed-constexpr>)

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -61,6 +62,28 @@ Kernels kernels_for(int64_t head_dim) {
   }
 }
 
+#ifdef RINGFLASH_SM90
+// The Hopper forward, where it runs the case, else null: a device of compute capability 9.0,
+// RINGFLASH_SM90=1 in the environment while the kernel is being brought up, head dims 72 to 128,
+// padded batches (a TMA box cannot stop at a packed sequence's end), no softcap or ALiBi, and q, k
+// and v with heads inside rows (the tensor maps' stride order).
+ForwardFn hopper_forward(const AttentionArgs& a, int device) {
+  static const bool opted_in = [] {
+    const char* v = std::getenv("RINGFLASH_SM90");
+    return v && std::string(v) == "1";
+  }();
+  if (!opted_in || device < 0 || a.head_dim <= 64 || a.head_dim > 128) return nullptr;
+  if (a.cu_seqlens_q || a.cu_seqlens_k || a.softcap > 0.0f || a.alibi_slopes) return nullptr;
+  for (const AttentionArgs::Operand* o : {&a.q, &a.k, &a.v})
+    if (o->head_stride > o->row_stride) return nullptr;
+  int major = 0, minor = 0;
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major != 9 || minor != 0) return nullptr;
+  return a.dtype == DType::kFloat16 ? sm90::run_forward<__half, 128> : sm90::run_forward<__nv_bfloat16, 128>;
+}
+#endif
+
 std::string built_head_dims() {
   std::string dims;
   for (int d : {64, 128, 256})
@@ -116,6 +139,10 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
     if (o->data && !aligned(*o, in_bytes))
       return str_cat(name, " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
   *chosen = k;
+#ifdef RINGFLASH_SM90
+  if (!backward)
+    if (const ForwardFn hopper = hopper_forward(a, device)) chosen->forward = hopper;
+#endif
   *device_out = device;
   return "";
 }

@@ -61,6 +61,96 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
       }
 }
 
+// Online softmax over one key tile of a warp's rows: s (scores in log2 units, times `scale`)
+// becomes P, the row max and sum move on, and the output accumulators are rescaled. A warp skips
+// the rescale when none of its rows' max moved (late key tiles, mostly). A row that has seen no key
+// yet keeps max -inf; exponents are then taken against 0 so that exp2(-inf - -inf) never makes a
+// NaN. (A max allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
+// longer exactly 1 once rounded to T.) Element (mt, nt, i) is as in transform_scores.
+template <int kMT, int kNT, int kDT>
+__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4],
+                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale) {
+  float correction[kMT][2];
+  bool moved = false;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+      const float old = row_max[mt][half];
+      mx = fmaxf(old, quad_max(mx) * scale);
+      const float base = mx == -INFINITY ? 0.0f : mx;
+      correction[mt][half] = exp2_ftz(old - base);
+      moved |= mx != old;
+      row_max[mt][half] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int i = 2 * half; i < 2 * half + 2; ++i) {
+          s[mt][nt][i] = exp2_ftz(fmaf(s[mt][nt][i], scale, -base));
+          sum += s[mt][nt][i];
+        }
+      row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
+    }
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[mt][dt][i] *= correction[mt][i / 2];
+  }
+}
+
+// Normalises a warp's output rows and writes them with their lse, or merges them into the fp32
+// accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
+// warp_row0 + 16 mt + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2.
+template <typename T, int kMT, int kDT>
+__device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, const core::Sequence& seq,
+                                             int64_t q0, int rows, const float (&o)[kMT][kDT][4],
+                                             const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
+                                             int lane, int warp_row0) {
+  const core::AttentionArgs& a = p.a;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[mt][half]);
+      const float lse = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
+      if (r >= rows) continue;
+      const int64_t row = seq.row_q + q0 + r;
+      float* lse_ptr = a.lse + p.lse_index(b, h, row);
+      if (!a.accumulate) {
+        T* out = row_ptr<T>(a.out, b, row, h);
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          if (dt * 8 < a.head_dim)
+            *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
+              Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
+        if (lane % 4 == 0) *lse_ptr = lse;
+      } else {
+        float* out = row_ptr<float>(a.out, b, row, h);
+        const core::MergeWeights w = core::merge_weights(*lse_ptr, lse);
+        const float w_blk = w.w_blk * inv;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          if (dt * 8 >= a.head_dim) break;
+          float2* at2 = reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2);
+          const float2 old = *at2;
+          *at2 = make_float2(w.w_acc * old.x + w_blk * o[mt][dt][2 * half],
+                             w.w_acc * old.y + w_blk * o[mt][dt][2 * half + 1]);
+        }
+        __syncwarp(0xfu << (lane & ~3));  // the quad has read the old lse before it is replaced
+        if (lane % 4 == 0) *lse_ptr = w.lse;
+      }
+    }
+}
+
 template <typename T, int kHeadDim>
 struct Forward {
   static constexpr ForwardTiles kTiles = forward_tiles(kHeadDim);
@@ -153,44 +243,7 @@ struct Forward {
       if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
       const float scale = raw ? p.qk_scale : 1.0f;
 
-      // Online softmax. A warp skips the rescale of its output accumulators when none of its rows'
-      // max moved (late key tiles, mostly). A row that has seen no key yet keeps max -inf;
-      // exponents are then taken against 0 so that exp2(-inf - -inf) never makes a NaN. (A max
-      // allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
-      // longer exactly 1 once rounded to T.)
-      float correction[kMT][2];
-      bool moved = false;
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-          const float old = row_max[mt][half];
-          mx = fmaxf(old, quad_max(mx) * scale);
-          const float base = mx == -INFINITY ? 0.0f : mx;
-          correction[mt][half] = exp2_ftz(old - base);
-          moved |= mx != old;
-          row_max[mt][half] = mx;
-          float sum = 0.0f;
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-            for (int i = 2 * half; i < 2 * half + 2; ++i) {
-              s[mt][nt][i] = exp2_ftz(fmaf(s[mt][nt][i], scale, -base));
-              sum += s[mt][nt][i];
-            }
-          row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
-        }
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) o[mt][dt][i] *= correction[mt][i / 2];
-      }
+      online_softmax(s, o, row_max, row_sum, scale);
 
       uint32_t pa[kMT][kBlockN / 16][4];
 #pragma unroll
@@ -221,51 +274,7 @@ struct Forward {
       }
     }
 
-    epilogue(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
-  }
-
-  // Normalises the output rows and writes them with their lse, or merges them into the fp32
-  // accumulator. Rows past the sequence's end are dropped.
-  static __device__ __forceinline__ void epilogue(const Params& p, int64_t b, int h, const core::Sequence& seq,
-                                                  int64_t q0, int rows, float (&o)[kMT][kDT][4],
-                                                  const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
-                                                  int lane, int warp_row0) {
-    const core::AttentionArgs& a = p.a;
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float sum = quad_sum(row_sum[mt][half]);
-        const float lse = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
-        if (r >= rows) continue;
-        const int64_t row = seq.row_q + q0 + r;
-        float* lse_ptr = a.lse + p.lse_index(b, h, row);
-        if (!a.accumulate) {
-          T* out = row_ptr<T>(a.out, b, row, h);
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt)
-            if (dt * 8 < a.head_dim)
-              *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
-                Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
-          if (lane % 4 == 0) *lse_ptr = lse;
-        } else {
-          float* out = row_ptr<float>(a.out, b, row, h);
-          const core::MergeWeights w = core::merge_weights(*lse_ptr, lse);
-          const float w_blk = w.w_blk * inv;
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt) {
-            if (dt * 8 >= a.head_dim) break;
-            float2* at2 = reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2);
-            const float2 old = *at2;
-            *at2 = make_float2(w.w_acc * old.x + w_blk * o[mt][dt][2 * half],
-                               w.w_acc * old.y + w_blk * o[mt][dt][2 * half + 1]);
-          }
-          __syncwarp(0xfu << (lane & ~3));  // the quad has read the old lse before it is replaced
-          if (lane % 4 == 0) *lse_ptr = w.lse;
-        }
-      }
+    write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
   }
 };
 

@@ -29,4 +29,14 @@ extern template void run_backward<__nv_bfloat16, 64>(const Params&, int64_t, cud
 extern template void run_backward<__nv_bfloat16, 128>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__nv_bfloat16, 256>(const Params&, int64_t, cudaStream_t);
 
+namespace sm90 {
+
+template <typename T, int kHeadDim>
+void run_forward(const Params& p, cudaStream_t stream);
+
+extern template void run_forward<__half, 128>(const Params&, cudaStream_t);
+extern template void run_forward<__nv_bfloat16, 128>(const Params&, cudaStream_t);
+
+}  // namespace sm90
+
 }  // namespace ringflash::cuda

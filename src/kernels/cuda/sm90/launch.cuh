@@ -1,0 +1,74 @@
+// Host-side launcher of the Hopper forward kernel: the tensor maps of q, k and v, then the launch.
+// Only the generated sm90 instance files (built for sm_90a) include this header.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "../check.h"
+#include "../launch.cuh"
+#include "forward.cuh"
+
+namespace ringflash::cuda::sm90 {
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled from the driver, found once (the runtime does not link the driver API).
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    RINGFLASH_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    RINGFLASH_CHECK(found == cudaDriverEntryPointSuccess && p, NotSupported,
+                    "[cuda] the driver has no cuTensorMapEncodeTiled (the Hopper kernels need CUDA 12 or newer)");
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+// One operand (rows x heads x head dim per sequence, strides in elements) as a 4-D map (head dim,
+// heads, rows, batch) with boxes of 64 columns x 1 head x box_rows rows, 128-byte swizzle. Columns
+// past the head dim and rows past `rows` read as zeros.
+template <typename T>
+CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim, int64_t heads, int64_t rows,
+                        int64_t batch, int box_rows) {
+  constexpr auto kType = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const auto bytes = [](int64_t elements) { return static_cast<cuuint64_t>(elements) * sizeof(T); };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(batch)};
+  // A dimension of size 1 may have any stride; give it one that keeps the strides legal.
+  const cuuint64_t strides[3] = {bytes(heads > 1 ? o.head_stride : head_dim), bytes(o.row_stride),
+                                 bytes(batch > 1 ? o.batch_stride : rows * o.row_stride)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult rc = encode_tiled()(&map, kType, 4, o.data, dims, strides, box, element_strides,
+                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused an operand (error ",
+                  static_cast<int>(rc), "; head dim ", head_dim, ", strides ", o.row_stride, "/", o.head_stride, "/",
+                  o.batch_stride, ")");
+  return map;
+}
+
+template <typename T, int kHeadDim>
+void run_forward(const Params& p, cudaStream_t stream) {
+  using F = Forward<T, kHeadDim>;
+  const core::AttentionArgs& a = p.a;
+  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
+  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
+                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
+                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
+  const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
+                  static_cast<unsigned>(a.batch));
+  if (grid.x > 0) {
+    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace ringflash::cuda::sm90
