@@ -138,6 +138,8 @@ struct Forward {
       for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[ps], s[0][2 * ps], s[0][2 * ps + 1]);
 
       mbarrier_wait(&v_full[stage], phase);
+      keep(o_flat);
+      keep(pa);
       wgmma_fence();
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps) {

@@ -55,11 +55,20 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// Keeps the compiler from moving accesses of an accumulator across a fence or a wait.
+// Keeps the compiler from moving accesses of wgmma's register operands across a fence or a wait:
+// call it on the accumulators (and register A operands) right before wgmma_fence() and right after
+// wgmma_wait().
 template <int N>
 __device__ __forceinline__ void keep(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int M, int N>
+__device__ __forceinline__ void keep(uint32_t (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // wgmma m64nNk16 with fp32 accumulators and T (bf16 or fp16) operands; `accumulate` false
