@@ -74,6 +74,7 @@ ForwardFn hopper_forward(const AttentionArgs& a, int device) {
   }();
   if (!opted_in || device < 0 || a.head_dim <= 64 || a.head_dim > 128) return nullptr;
   if (a.cu_seqlens_q || a.cu_seqlens_k || a.softcap > 0.0f || a.alibi_slopes) return nullptr;
+  if (a.rows_q == 0 || a.rows_k == 0) return nullptr;  // a tensor map has no empty dimension
   for (const AttentionArgs::Operand* o : {&a.q, &a.k, &a.v})
     if (o->head_stride > o->row_stride) return nullptr;
   int major = 0, minor = 0;
