@@ -64,7 +64,7 @@ Kernels kernels_for(int64_t head_dim) {
 
 #ifdef RINGFLASH_SM90
 // The Hopper forward, where it runs the case, else null: a device of compute capability 9.0,
-// RINGFLASH_SM90=1 in the environment while the kernel is being brought up, head dims 72 to 128,
+// RINGFLASH_SM90=1 in the environment while the kernel is being brought up, head dims up to 128,
 // padded batches (a TMA box cannot stop at a packed sequence's end), no softcap or ALiBi, and q, k
 // and v with heads inside rows (the tensor maps' stride order).
 ForwardFn hopper_forward(const AttentionArgs& a, int device) {
@@ -72,7 +72,7 @@ ForwardFn hopper_forward(const AttentionArgs& a, int device) {
     const char* v = std::getenv("RINGFLASH_SM90");
     return v && std::string(v) == "1";
   }();
-  if (!opted_in || device < 0 || a.head_dim <= 64 || a.head_dim > 128) return nullptr;
+  if (!opted_in || device < 0 || a.head_dim > 128) return nullptr;
   if (a.cu_seqlens_q || a.cu_seqlens_k || a.softcap > 0.0f || a.alibi_slopes) return nullptr;
   if (a.rows_q == 0 || a.rows_k == 0) return nullptr;  // a tensor map has no empty dimension
   for (const AttentionArgs::Operand* o : {&a.q, &a.k, &a.v})
@@ -81,7 +81,9 @@ ForwardFn hopper_forward(const AttentionArgs& a, int device) {
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0) return nullptr;
-  return a.dtype == DType::kFloat16 ? sm90::run_forward<__half, 128> : sm90::run_forward<__nv_bfloat16, 128>;
+  const bool half = a.dtype == DType::kFloat16;
+  if (a.head_dim <= 64) return half ? sm90::run_forward<__half, 64> : sm90::run_forward<__nv_bfloat16, 64>;
+  return half ? sm90::run_forward<__half, 128> : sm90::run_forward<__nv_bfloat16, 128>;
 }
 #endif
 

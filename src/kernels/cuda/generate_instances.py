@@ -14,7 +14,7 @@ PASSES = {
     "backward": "void run_backward<{t}, {d}>(const Params&, int64_t, cudaStream_t)",
 }
 # The Hopper kernels (sm_90a, namespace sm90; CMake builds them only for architecture 90).
-SM90_HEAD_DIMS = [128]
+SM90_HEAD_DIMS = [64, 128]
 SM90_PASSES = {"forward": "void run_forward<{t}, {d}>(const Params&, cudaStream_t)"}
 
 HERE = Path(__file__).resolve().parent
