@@ -64,15 +64,16 @@ Kernels kernels_for(int64_t head_dim) {
 
 #ifdef RINGFLASH_SM90
 // The Hopper forward, where it runs the case, else null: a device of compute capability 9.0,
-// RINGFLASH_SM90=1 in the environment while the kernel is being brought up, head dims up to 128,
+// RINGFLASH_SM90=1 or 2 in the environment while the kernels are being brought up, head dims up to 128,
 // padded batches (a TMA box cannot stop at a packed sequence's end), no softcap or ALiBi, and q, k
 // and v with heads inside rows (the tensor maps' stride order).
 ForwardFn hopper_forward(const AttentionArgs& a, int device) {
-  static const bool opted_in = [] {
+  // 1: the first version; 2: the warp-specialised one.
+  static const int version = [] {
     const char* v = std::getenv("RINGFLASH_SM90");
-    return v && std::string(v) == "1";
+    return v && std::string(v) == "1" ? 1 : v && std::string(v) == "2" ? 2 : 0;
   }();
-  if (!opted_in || device < 0 || a.head_dim > 128) return nullptr;
+  if (version == 0 || device < 0 || a.head_dim > 128) return nullptr;
   if (a.cu_seqlens_q || a.cu_seqlens_k || a.softcap > 0.0f || a.alibi_slopes) return nullptr;
   if (a.rows_q == 0 || a.rows_k == 0) return nullptr;  // a tensor map has no empty dimension
   for (const AttentionArgs::Operand* o : {&a.q, &a.k, &a.v})
@@ -81,8 +82,12 @@ ForwardFn hopper_forward(const AttentionArgs& a, int device) {
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0) return nullptr;
-  const bool half = a.dtype == DType::kFloat16;
-  if (a.head_dim <= 64) return half ? sm90::run_forward<__half, 64> : sm90::run_forward<__nv_bfloat16, 64>;
+  const bool half = a.dtype == DType::kFloat16, ws = version == 2;
+  if (a.head_dim <= 64) {
+    if (ws) return half ? sm90::run_forward_ws<__half, 64> : sm90::run_forward_ws<__nv_bfloat16, 64>;
+    return half ? sm90::run_forward<__half, 64> : sm90::run_forward<__nv_bfloat16, 64>;
+  }
+  if (ws) return half ? sm90::run_forward_ws<__half, 128> : sm90::run_forward_ws<__nv_bfloat16, 128>;
   return half ? sm90::run_forward<__half, 128> : sm90::run_forward<__nv_bfloat16, 128>;
 }
 #endif

@@ -62,15 +62,15 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
 }
 
 // Online softmax over one key tile of a warp's rows: s (scores in log2 units, times `scale`)
-// becomes P, the row max and sum move on, and the output accumulators are rescaled. A warp skips
-// the rescale when none of its rows' max moved (late key tiles, mostly). A row that has seen no key
-// yet keeps max -inf; exponents are then taken against 0 so that exp2(-inf - -inf) never makes a
-// NaN. (A max allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
+// becomes P and the row max and sum move on; correction[mt][half] is what the row's output
+// accumulators must be multiplied by. Returns whether any of the warp's rows' max moved (when none
+// did, the correction is 1 everywhere: late key tiles, mostly). A row that has seen no key yet
+// keeps max -inf; exponents are then taken against 0 so that exp2(-inf - -inf) never makes a NaN.
+// (A max allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
 // longer exactly 1 once rounded to T.) Element (mt, nt, i) is as in transform_scores.
-template <int kMT, int kNT, int kDT>
-__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4],
-                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale) {
-  float correction[kMT][2];
+template <int kMT, int kNT>
+__device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
+                                             float (&row_sum)[kMT][2], float scale, float (&correction)[kMT][2]) {
   bool moved = false;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -95,14 +95,25 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&
         }
       row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
     }
-  if (__any_sync(0xffffffffu, moved)) {
+  return __any_sync(0xffffffffu, moved);
+}
+
+template <int kMT, int kDT>
+__device__ __forceinline__ void rescale(float (&o)[kMT][kDT][4], const float (&correction)[kMT][2]) {
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
+    for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) o[mt][dt][i] *= correction[mt][i / 2];
-  }
+      for (int i = 0; i < 4; ++i) o[mt][dt][i] *= correction[mt][i / 2];
+}
+
+// softmax_tile, then the rescale of the output accumulators where a row's max moved.
+template <int kMT, int kNT, int kDT>
+__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4],
+                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale) {
+  float correction[kMT][2];
+  if (softmax_tile(s, row_max, row_sum, scale, correction)) rescale(o, correction);
 }
 
 // Normalises a warp's output rows and writes them with their lse, or merges them into the fp32

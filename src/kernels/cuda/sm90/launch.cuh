@@ -55,20 +55,31 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   return map;
 }
 
-template <typename T, int kHeadDim>
-void run_forward(const Params& p, cudaStream_t stream) {
-  using F = Forward<T, kHeadDim>;
+// Launches kernel (forward_kernel or forward_ws_kernel, whose shapes F gives).
+template <typename T, int kHeadDim, typename F, typename Kernel>
+void launch_forward(Kernel kernel, const char* name, const Params& p, cudaStream_t stream) {
   const core::AttentionArgs& a = p.a;
-  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
+  allow_smem(kernel, F::kSmemBytes, name, kHeadDim);
   const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
                   operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
-    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+    kernel<<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+template <typename T, int kHeadDim>
+void run_forward(const Params& p, cudaStream_t stream) {
+  launch_forward<T, kHeadDim, Forward<T, kHeadDim>>(forward_kernel<T, kHeadDim>, "Hopper forward", p, stream);
+}
+
+template <typename T, int kHeadDim>
+void run_forward_ws(const Params& p, cudaStream_t stream) {
+  launch_forward<T, kHeadDim, ForwardWs<T, kHeadDim>>(forward_ws_kernel<T, kHeadDim>,
+                                                      "Hopper warp-specialised forward", p, stream);
 }
 
 }  // namespace ringflash::cuda::sm90
