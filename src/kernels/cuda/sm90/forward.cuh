@@ -170,11 +170,16 @@ struct Forward {
 template <typename T, int kHeadDim>
 struct ForwardWs {
   using Base = Forward<T, kHeadDim>;
-  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kStages = Base::kStages;
+  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN;
+  // A stage is freed when P V of its tile is done, one tile after its Q K^T: with three, the load
+  // of tile i + 2 runs during all of tile i + 1 (with two it would wait at every tile).
+  static constexpr int kStages = 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static constexpr int kSmemBytes = Base::kSmemBytes, kNT = Base::kNT, kDT = Base::kDT;
+  static constexpr int kSmemBytes = Base::kQBytes + 2 * kStages * Base::kKVBytes + 1024;
+  static constexpr int kNT = Base::kNT, kDT = Base::kDT;
+  static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
   static __device__ void run(const Params& p, const Maps& maps) {
     extern __shared__ unsigned char raw[];
