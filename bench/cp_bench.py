@@ -1,7 +1,7 @@
 """ringflash's sequence-parallel strategies on P GPUs against ringflash on one GPU: per-GPU TFLOP/s
 and scaling efficiency.
 
-    torchrun --nproc_per_node=P bench/cp_bench.py --out DIR [--strategies zigzag,ring,stripe,...]
+    torchrun --nproc_per_node=P bench/cp_bench.py --out DIR [--strategies zigzag,ring,stripe,hybrid:4,...]
         [--seqlens 32768,131072] [--heads-kv 32,8] [--passes fwd,fwd_bwd] [-w 3] [-n 10] [--sets 2]
         [--ulysses-degree U] [--no-check]
 
@@ -61,11 +61,26 @@ def name_list(text):
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def hybrid_degree(name, default):
+    """The ulysses degree of a strategy name: U for "hybrid:U", `default` for "hybrid", None for the
+    other strategies; ValueError for a "hybrid:" without a positive integer."""
+    if name == "hybrid":
+        return default
+    if not name.startswith("hybrid:"):
+        return None
+    degree = int(name.split(":", 1)[1])
+    if degree < 1:
+        raise ValueError(name)
+    return degree
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="where cp_bench.json goes (default $OUT or .)")
     p.add_argument("--strategies", type=name_list, default=["zigzag"],
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default zigzag)")
+                   help=f"comma-separated, from {', '.join(STRATEGIES)}, and hybrid:U for the hybrid with "
+                        "ulysses degree U (one row set each, so hybrid:1,hybrid:2,... covers every "
+                        "factorisation; plain hybrid takes --ulysses-degree) (default zigzag)")
     p.add_argument("--seqlens", type=int_list, default=[32768, 131072], help="total sequence lengths")
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--heads-kv", type=int_list, default=[32, 8], help="K/V heads, one row set each")
@@ -79,8 +94,13 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the single-GPU results")
     args = p.parse_args(argv)
     for s in args.strategies:
-        if s not in STRATEGIES:
-            p.error(f"--strategies: each must be one of {', '.join(STRATEGIES)}, got {s!r}")
+        try:
+            known = s in STRATEGIES or hybrid_degree(s, None) is not None
+        except ValueError:
+            known = False
+        if not known:
+            p.error(f"--strategies: each must be one of {', '.join(STRATEGIES)} or hybrid:U with an integer U >= 1, "
+                    f"got {s!r}")
     for name in args.passes:
         if name not in PASSES:
             p.error(f"--passes: each must be one of {', '.join(PASSES)}, got {name!r}")
@@ -230,18 +250,20 @@ def run_shape(args, ranks, groups, seqlen, heads_kv):
         single_results, single_error = guarded(ranks, lambda: results_of(single, *sets[0]))
 
     rows = []
-    for strategy in args.strategies:
-        group = groups.get(strategy)
+    for name in args.strategies:
+        group = groups.get(name)
+        degree = hybrid_degree(name, args.ulysses_degree)
+        strategy = "hybrid" if degree is not None else name
 
         def attend(q, k, v, strategy=strategy, group=group):
             return parallel_attention(q, k, v, strategy, group, causal=True)
 
         positions = shard_positions(seqlen, strategy, group, device=device).to(device)
         shard_sets = [shard(s, positions) for s in sets]
-        base = dict(strategy=strategy, world=ranks.world, seqlen=seqlen, heads=heads, heads_kv=heads_kv, hdim=hdim,
+        base = dict(strategy=name, world=ranks.world, seqlen=seqlen, heads=heads, heads_kv=heads_kv, hdim=hdim,
                     causal=True, dtype="bf16", batch=BATCH)
-        if strategy == "hybrid":
-            base["ulysses_degree"] = args.ulysses_degree
+        if degree is not None:
+            base["ulysses_degree"] = degree
         verdict = None
         if not args.no_check:
             if single_results is None:
@@ -313,14 +335,17 @@ def main(argv=None):
         print("cp_bench: no CUDA device", file=sys.stderr)
         return 2
     ranks = Ranks()
-    groups = {}
-    if "hybrid" in args.strategies:
-        if args.ulysses_degree is None:
-            args.ulysses_degree = 2 if ranks.world % 2 == 0 else 1
-        if args.ulysses_degree < 1 or ranks.world % args.ulysses_degree:
-            raise SystemExit(f"cp_bench: --ulysses-degree must divide the world size {ranks.world}, "
-                             f"got {args.ulysses_degree}")
-        groups["hybrid"] = init_process_groups(args.ulysses_degree, ranks.world // args.ulysses_degree)
+    if args.ulysses_degree is None:
+        args.ulysses_degree = 2 if ranks.world % 2 == 0 else 1
+    groups = {}  # a group per hybrid name, made in the same order on every rank
+    for name in args.strategies:
+        degree = hybrid_degree(name, args.ulysses_degree)
+        if degree is None:
+            continue
+        if degree < 1 or ranks.world % degree:
+            raise SystemExit(f"cp_bench: the ulysses degree of {name!r} must divide the world size {ranks.world}, "
+                             f"got {degree}")
+        groups[name] = init_process_groups(degree, ranks.world // degree)
     info = dict(world=ranks.world, torch=torch.__version__, cuda=torch.version.cuda,
                 nccl=nccl_version(), device=torch.cuda.get_device_name(ranks.device),
                 ringflash=ringflash.__version__, ringflash_build=ringflash.build_info(),

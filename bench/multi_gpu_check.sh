@@ -32,7 +32,7 @@
 #   PEER_DIR         where torch_cp_bench.py is (default shared/peers under the repository root if
 #                    it exists, else ../shared/peers)
 #   PYTEST_ARGS      default "-x -q"
-#   CP_BENCH_ARGS    extra flags for bench/cp_bench.py (e.g. "--strategies zigzag,ring,ulysses")
+#   CP_BENCH_ARGS    extra flags for bench/cp_bench.py (e.g. "--strategies zigzag,ring,ulysses,hybrid:2,hybrid:4")
 #   TEST_TIMEOUT, BENCH_TIMEOUT, PEER_TIMEOUT, COMPARE_TIMEOUT   seconds per stage (timeout(1));
 #                    the build's is device_check.sh's BUILD_TIMEOUT
 set -u -o pipefail

@@ -16,6 +16,7 @@ namespace {
 
 using core::ElementwiseArgs;
 using core::ElementwiseOp;
+using Offsets = core::ElementwiseOffsets;
 
 const char* op_name(ElementwiseOp op) {
   switch (op) {
@@ -89,11 +90,6 @@ ElementwiseArgs fold(ElementwiseOp op, const TensorView& dst, Source src, void* 
 }
 
 // ---- CPU ----------------------------------------------------------------------------------
-
-// Element offsets of the start of a run in each view.
-struct Offsets {
-  int64_t dst = 0, src = 0, src2 = 0;
-};
 
 // Calls fn(Offsets, n) for each innermost run of n elements of a non-empty view (run() returns
 // before empty ones).

@@ -291,9 +291,9 @@ class Ring {
       if (kv_in) kv_in->wait();
     }
 
-    // The partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
+    // dK and dV: this rank's own plus the partial that arrives, summed and rounded in one pass. The
+    // partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
     // rank's own arrives from rank (r + steps - 1) mod P.
-    // dK and dV are this rank's own plus the partial that arrives, summed and rounded in one pass.
     const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
     const KeyValues mine = grad_views(own, rank_);
     if (steps_ > 1) {

@@ -292,6 +292,14 @@ class DoneRequest : public CommRequest {
   void wait() override {}
 };
 
+// A new event recorded on `stream` (the caller destroys it).
+cudaEvent_t record(cudaStream_t stream) {
+  cudaEvent_t e = nullptr;
+  RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  RINGFLASH_CUDA_CHECK(cudaEventRecord(e, stream));
+  return e;
+}
+
 // A group posted on the data channel. land() waits until NCCL has enqueued it on the comm stream,
 // then records `done` there and hands it to the watchdog (outside graph capture).
 class Launch {
@@ -306,7 +314,6 @@ class Launch {
   Launch(const Launch&) = delete;
   Launch& operator=(const Launch&) = delete;
 
-  bool landed() const { return landed_; }
   cudaEvent_t done() const { return done_; }
 
   // Throws CommError if NCCL fails or has not taken the group by the deadline.
@@ -314,14 +321,8 @@ class Launch {
     if (landed_) return;
     landed_ = true;  // once: a failure here fails the world, and later calls throw that
     channel_.settle(prefix_, deadline_, late_);
-    RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
-    RINGFLASH_CUDA_CHECK(cudaEventRecord(done_, comm_stream_));
-    if (watched_) {
-      cudaEvent_t watched = nullptr;
-      RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&watched, cudaEventDisableTiming));
-      RINGFLASH_CUDA_CHECK(cudaEventRecord(watched, comm_stream_));
-      world_->watch(watched, deadline_, late_);
-    }
+    done_ = record(comm_stream_);
+    if (watched_) world_->watch(record(comm_stream_), deadline_, late_);  // the watchdog destroys its own
   }
 
  private:
@@ -533,13 +534,6 @@ class NcclCommunicator : public Communicator {
   void count_sent(const std::vector<P2POp>& ops) {
     for (const P2POp& op : ops)
       if (op.kind == P2POp::Kind::kSend && op.peer != rank_) stats_.bytes_sent += op.bytes;
-  }
-
-  cudaEvent_t record(cudaStream_t stream) {
-    cudaEvent_t e = nullptr;
-    RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    RINGFLASH_CUDA_CHECK(cudaEventRecord(e, stream));
-    return e;
   }
 
   // "" once `done` completes, the world's failure if it fails first, `late` at the deadline.

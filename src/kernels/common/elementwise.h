@@ -17,6 +17,11 @@ enum class ElementwiseOp : uint8_t {
   kAdd,   // dst = src + src2, both float32; dst any float dtype (src2 may be dst itself)
 };
 
+// Element offsets of one position in each view (CPU: the start of a run; CUDA: one element).
+struct ElementwiseOffsets {
+  int64_t dst = 0, src = 0, src2 = 0;
+};
+
 struct ElementwiseArgs {
   ElementwiseOp op = ElementwiseOp::kFill;
   int ndim = 0;

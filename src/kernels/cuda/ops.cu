@@ -35,11 +35,9 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Element offsets in dst, src and src2 of the i-th element, dimensions in row-major order.
-struct Offsets {
-  int64_t dst = 0, src = 0, src2 = 0;
-};
+using Offsets = core::ElementwiseOffsets;
 
+// Element offsets in dst, src and src2 of the i-th element, dimensions in row-major order.
 __device__ __forceinline__ Offsets offsets(const ElementwiseArgs& a, int64_t i) {
   Offsets at;
   for (int d = a.ndim - 1; d >= 0; --d) {
