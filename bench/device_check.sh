@@ -198,7 +198,7 @@ def fwd_bwd(name, fn, tensors, dtype):
 def supported(tensors, **options):
     """True if the case can run; False (reported) for a head dim 256 that the build leaves out;
     exits for any other refusal."""
-    ok, _, reason = ringflash.attention_support(*tensors, **options)
+    ok, _, reason, _ = ringflash.attention_support(*tensors, **options)
     if ok:
         return True
     if tensors[0].shape[-1] == 256 and re.search(r"head[ _]?dim|hdim", reason, re.IGNORECASE):

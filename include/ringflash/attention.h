@@ -82,6 +82,9 @@ struct Support {
   bool supported = false;
   std::string backend;  // "cpu" or "cuda"
   std::string reason;   // empty when supported
+  // The kernels that run it: "cpu"; on CUDA "sm80" or "sm90", and where an sm_90 device runs the
+  // sm_80 kernels, why (e.g. "sm80 (the sm_90a kernels do not run this case: ...)").
+  std::string kernels;
 };
 Support attention_support(const TensorView& q, const TensorView& k, const TensorView& v,
                           const AttentionParams& params);

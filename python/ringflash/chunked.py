@@ -184,8 +184,7 @@ def _supported(op: str, q: Tensor, k: Tensor, v: Tensor, options: dict, q_offset
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise _C.InvalidArgument(f"[{op}] {name} must have shape (B, S, H, D), got {tuple(t.shape)}")
-    supported, _, _ = _C.attention_support(q, k, v, q_offset=q_offset, k_offset=k_offset, **options)
-    return supported
+    return _C.attention_support(q, k, v, q_offset=q_offset, k_offset=k_offset, **options)[0]
 
 
 def _kernel_options(q: Tensor, alibi_slopes: Optional[Tensor], softmax_scale: Optional[float], causal: bool,

@@ -184,11 +184,14 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 class Support(NamedTuple):
-    """Whether a case can run: backend is "cpu" or "cuda"; reason is empty when supported."""
+    """Whether a case can run: backend is "cpu" or "cuda"; reason is empty when supported. kernels
+    names the kernels that run a supported case: "cpu", "sm80" or "sm90"; where an sm_90 GPU runs
+    the sm_80 kernels it also says why (e.g. head dim 256)."""
 
     supported: bool
     backend: str
     reason: str
+    kernels: str = ""
 
 
 def attention_support(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Optional[Tensor] = None,

@@ -40,12 +40,12 @@ void backward(const InputArray& q, const InputArray& k, const InputArray& v, con
                      to_tensor_view(op, "dv", dv), make_params(op, RINGFLASH_OPTION_NAMES));
 }
 
-std::tuple<bool, std::string, std::string> support(const InputArray& q, const InputArray& k, const InputArray& v,
+std::tuple<bool, std::string, std::string, std::string> support(const InputArray& q, const InputArray& k, const InputArray& v,
                                                    RINGFLASH_OPTION_PARAMS) {
   constexpr const char* op = "attention_support";
   Support s = attention_support(to_tensor_view(op, "q", q), to_tensor_view(op, "k", k),
                                 to_tensor_view(op, "v", v), make_params(op, RINGFLASH_OPTION_NAMES));
-  return {s.supported, s.backend, s.reason};
+  return {s.supported, s.backend, s.reason, s.kernels};
 }
 
 constexpr const char* kForwardDoc = R"(Attention forward: out = softmax(mask(scale * q k^T)) v, and its log-sum-exp.
@@ -67,8 +67,9 @@ attention_forward; they must match the forward's.)";
 
 constexpr const char* kSupportDoc = R"(Whether attention_forward/backward can run this case.
 
-Returns (supported, backend, reason): backend is "cpu" or "cuda"; reason is empty when supported and
-otherwise the message the call would raise.)";
+Returns (supported, backend, reason, kernels): backend is "cpu" or "cuda"; reason is empty when
+supported and otherwise the message the call would raise; kernels names the kernels that run a
+supported case ("cpu", "sm80" or "sm90"; on an sm_90 device that runs the sm_80 kernels, also why).)";
 
 }  // namespace
 

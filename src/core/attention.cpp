@@ -327,6 +327,7 @@ Support attention_support(const TensorView& q, const TensorView& k, const Tensor
     const AttentionArgs args = Validator("attention_support", q, k, v, params).run();
     if (q.device().type == DeviceType::kCUDA) require_cuda("attention_support", args);
     s.supported = true;
+    s.kernels = q.device().type == DeviceType::kCUDA ? cuda::kernels_used(args) : "cpu";
   } catch (const Error& e) {
     s.reason = e.what();
   }

@@ -16,6 +16,9 @@ std::string describe();  // one line for build_info()
 // Why the CUDA kernels cannot run this case, or "" when they can. The one function behind both
 // dispatch and attention_support().
 std::string unsupported_reason(const core::AttentionArgs& args);
+// The kernels that run a supported case, for attention_support(): "sm80", "sm90", or the sm_80 ones
+// and why the sm_90a ones do not take it.
+std::string kernels_used(const core::AttentionArgs& args);
 void attention_forward(const core::AttentionArgs& args);
 void attention_backward(const core::AttentionArgs& args);
 // kernels/ops.h on CUDA: device is a CUDA device index, stream a cudaStream_t.

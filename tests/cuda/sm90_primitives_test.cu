@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(128, 1) qk_kernel(const __grid_constant__ CUte
     const int block = ks / 4, step = ks % 4;  // 4 k-steps of 32 bytes in a 128-byte row
     const uint64_t a = k_major_desc(smem_u32(sq + block * kM * kBlockCols) + step * 32);
     const uint64_t b = k_major_desc(smem_u32(sk + block * kN * kBlockCols) + step * 32);
-    Wgmma<bf16, 128>::ss<0>(d, a, b, ks > 0);
+    Wgmma<bf16, 128>::ss<0, 0>(d, a, b, ks > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();

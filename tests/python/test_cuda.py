@@ -28,6 +28,7 @@ fails.
 """
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -64,7 +65,21 @@ def test_devices():
         ringflash.flash_attn_func(q, k, v, alibi_slopes=torch.ones(q.shape[2]))
     with pytest.raises(ringflash.NotSupported, match=r"float32 is supported on CPU only"):
         ringflash.flash_attn_func(q.float(), k.float(), v.float())
-    assert ringflash.attention_support(q, k, v, causal=True) == (True, "cuda", "")
+    assert ringflash.attention_support(q, k, v, causal=True)[:3] == (True, "cuda", "")
+
+
+def test_support_names_the_kernels():
+    """sm_90 devices run the sm_90a kernels where they take the case and say why where they don't;
+    other devices run the sm_80 kernels."""
+    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("RINGFLASH_SM90") != "0"
+    q, k, v = (torch.randn(1, 256, 4, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    kernels = ringflash.attention_support(q, k, v, causal=True).kernels
+    assert kernels.startswith("sm90") if hopper else kernels == "sm80"
+    wide = torch.randn(1, 256, 4, 256, device=DEVICE, dtype=torch.bfloat16)
+    support = ringflash.attention_support(wide, wide, wide)
+    if support.supported:  # head dim 256 is built
+        expected = "sm80 (the sm_90a kernels do not run this case: they take head dims up to 128, got 256)"
+        assert support.kernels == (expected if hopper else "sm80")
 
 
 def on_cuda(fn):
@@ -89,7 +104,7 @@ def require_support(q, k, v, **options):
     """Skips a head-dim-256 case that this build leaves out (attention_support names the head dim);
     fails on anything else the CUDA kernels refuse. Options as in flash_attn_func."""
     q, k, v = (t.to(DEVICE) for t in (q, k, v))
-    supported, backend, reason = ringflash.attention_support(
+    supported, backend, reason, _ = ringflash.attention_support(
         q, k, v, **{name: to_device(value) for name, value in options.items()})
     assert backend == q.device.type
     if supported:

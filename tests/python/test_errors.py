@@ -213,8 +213,9 @@ def test_read_only_output():
 
 def test_support_reports_the_reason():
     q, k, v = qkv()
-    assert ringflash.attention_support(q, k, v, causal=True) == (True, "cpu", "")
-    supported, backend, reason = ringflash.attention_support(q, k, v.half())
+    assert ringflash.attention_support(q, k, v, causal=True) == (True, "cpu", "", "cpu")
+    supported, backend, reason, kernels = ringflash.attention_support(q, k, v.half())
     assert not supported and backend == "cpu" and "v must have q's dtype float32, got float16" in reason
+    assert kernels == ""
     support = ringflash.attention_support(q, k, v, dropout_p=0.5)
     assert not support.supported and "dropout_p > 0 is not supported" in support.reason

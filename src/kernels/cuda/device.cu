@@ -63,32 +63,51 @@ Kernels kernels_for(int64_t head_dim) {
 }
 
 #ifdef RINGFLASH_SM90
-// The Hopper forward, where it runs the case, else null: a device of compute capability 9.0,
-// RINGFLASH_SM90=1 or 2 in the environment while the kernels are being brought up, head dims up to 128,
-// padded batches (a TMA box cannot stop at a packed sequence's end), no softcap or ALiBi, and q, k
-// and v with heads inside rows (the tensor maps' stride order).
-ForwardFn hopper_forward(const AttentionArgs& a, int device) {
-  // 1: the first version; 2: the warp-specialised one.
-  static const int version = [] {
+// The sm_90a kernels run a case on a device of compute capability 9.0 unless hopper_gap() says why
+// not; RINGFLASH_SM90=0 in the environment turns them off (for comparisons).
+bool hopper_device(int device) {
+  static const bool off = [] {
     const char* v = std::getenv("RINGFLASH_SM90");
-    return v && std::string(v) == "1" ? 1 : v && std::string(v) == "2" ? 2 : 0;
+    return v && std::string(v) == "0";
   }();
-  if (version == 0 || device < 0 || a.head_dim > 128) return nullptr;
-  if (a.cu_seqlens_q || a.cu_seqlens_k || a.softcap > 0.0f || a.alibi_slopes) return nullptr;
-  if (a.rows_q == 0 || a.rows_k == 0) return nullptr;  // a tensor map has no empty dimension
-  for (const AttentionArgs::Operand* o : {&a.q, &a.k, &a.v})
-    if (o->head_stride > o->row_stride) return nullptr;
+  if (off || device < 0) return false;
   int major = 0, minor = 0;
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major != 9 || minor != 0) return nullptr;
-  const bool half = a.dtype == DType::kFloat16, ws = version == 2;
-  if (a.head_dim <= 64) {
-    if (ws) return half ? sm90::run_forward_ws<__half, 64> : sm90::run_forward_ws<__nv_bfloat16, 64>;
-    return half ? sm90::run_forward<__half, 64> : sm90::run_forward<__nv_bfloat16, 64>;
+  return major == 9 && minor == 0;
+}
+
+// Why the sm_90a kernels do not run this case (the forward, or the backward when `backward`), or
+// "" when they do.
+std::string hopper_gap(const AttentionArgs& a, bool backward) {
+  if (a.head_dim > 128) return str_cat("they take head dims up to 128, got ", a.head_dim);
+  if (a.rows_q == 0 || a.rows_k == 0) return "they take no empty q or k";  // a tensor map has no empty dimension
+  for (auto [o, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}})
+    if (o->head_stride > o->row_stride)
+      return str_cat("they read ", name, " by TMA, which needs its heads inside its rows (head stride ",
+                     o->head_stride, " > row stride ", o->row_stride, ")");
+  if (backward && a.dout.head_stride > a.dout.row_stride)
+    return str_cat("they read dout by TMA, which needs its heads inside its rows (head stride ", a.dout.head_stride,
+                   " > row stride ", a.dout.row_stride, ")");
+  if (backward && a.deterministic) return "the deterministic backward is the sm_80 one";
+  return "";
+}
+
+// The sm_90a kernels of a head dim that hopper_gap() accepts (built where the sm_80 ones are).
+template <typename T>
+Kernels hopper_kernels(int64_t head_dim) {
+  switch (instance_head_dim(head_dim)) {
+#ifndef RINGFLASH_DISABLE_HDIM64
+    case 64:
+      return {sm90::run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 64>)};
+#endif
+#ifndef RINGFLASH_DISABLE_HDIM128
+    case 128:
+      return {sm90::run_forward<T, 128>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 128>)};
+#endif
+    default:
+      return {};
   }
-  if (ws) return half ? sm90::run_forward_ws<__half, 128> : sm90::run_forward_ws<__nv_bfloat16, 128>;
-  return half ? sm90::run_forward<__half, 128> : sm90::run_forward<__nv_bfloat16, 128>;
 }
 #endif
 
@@ -148,8 +167,12 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
       return str_cat(name, " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
   *chosen = k;
 #ifdef RINGFLASH_SM90
-  if (!backward)
-    if (const ForwardFn hopper = hopper_forward(a, device)) chosen->forward = hopper;
+  if (hopper_device(device)) {
+    const Kernels h = a.dtype == DType::kFloat16 ? hopper_kernels<__half>(a.head_dim)
+                                                 : hopper_kernels<__nv_bfloat16>(a.head_dim);
+    if (h.forward && hopper_gap(a, false).empty()) chosen->forward = h.forward;
+    if (h.backward && backward && hopper_gap(a, true).empty()) chosen->backward = h.backward;
+  }
 #endif
   *device_out = device;
   return "";
@@ -213,6 +236,19 @@ std::string unsupported_reason(const AttentionArgs& args) {
   return choose(args, false, &k, &device);
 }
 
+std::string kernels_used(const AttentionArgs& args) {
+#ifdef RINGFLASH_SM90
+  if (!hopper_device(args.q.data ? device_of(args.q.data) : -1)) return "sm80";
+  const std::string forward = hopper_gap(args, false), backward = hopper_gap(args, true);
+  if (!forward.empty()) return "sm80 (the sm_90a kernels do not run this case: " + forward + ")";
+  if (!backward.empty()) return "sm90 forward, sm80 backward (" + backward + ")";
+  return "sm90";
+#else
+  (void)args;
+  return "sm80";
+#endif
+}
+
 void attention_forward(const AttentionArgs& args) {
   Kernels k;
   int device = -1;
@@ -244,15 +280,19 @@ void attention_backward(const AttentionArgs& args) {
   const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
   // Each array starts at a 128-byte boundary: the conversion pass reads dq_accum in 16-byte vectors.
   constexpr int64_t kAlignFloats = 32;
-  const int64_t stat_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
+  // Each (sequence, head) has stat_rows entries: a multiple of 4, so that the sm_90a kernels can
+  // read them as a tensor map (16-byte strides).
+  const int64_t stat_rows = (args.rows_q + 3) / 4 * 4;
+  const int64_t stat_elements =
+      ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
   const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
   const Scratch workspace(device, workspace_bytes, args.stream);
   p.dsum = static_cast<float*>(workspace.data);
   p.lse2 = p.dsum + stat_elements;
-  p.stat_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
-  p.stat_head_stride = args.rows_q;
+  p.stat_batch_stride = packed ? 0 : args.heads_q * stat_rows;
+  p.stat_head_stride = stat_rows;
   if (dq_buffer) {
     p.dq_accum = p.lse2 + stat_elements;
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;

@@ -17,7 +17,7 @@ PASSES = {
 SM90_HEAD_DIMS = [64, 128]
 SM90_PASSES = {
     "forward": "void run_forward<{t}, {d}>(const Params&, cudaStream_t)",
-    "forward_ws": "void run_forward_ws<{t}, {d}>(const Params&, cudaStream_t)",
+    "backward": "void run_backward<{t}, {d}>(const Params&, int64_t, cudaStream_t)",
 }
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +71,7 @@ def main():
         "template <typename T, int kHeadDim>",
         "void run_forward(const Params& p, cudaStream_t stream);",
         "template <typename T, int kHeadDim>",
-        "void run_forward_ws(const Params& p, cudaStream_t stream);",
+        "void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream);",
         "",
         *sm90_externs,
         "",

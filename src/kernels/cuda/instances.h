@@ -34,16 +34,16 @@ namespace sm90 {
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream);
 template <typename T, int kHeadDim>
-void run_forward_ws(const Params& p, cudaStream_t stream);
+void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream);
 
 extern template void run_forward<__half, 64>(const Params&, cudaStream_t);
 extern template void run_forward<__half, 128>(const Params&, cudaStream_t);
 extern template void run_forward<__nv_bfloat16, 64>(const Params&, cudaStream_t);
 extern template void run_forward<__nv_bfloat16, 128>(const Params&, cudaStream_t);
-extern template void run_forward_ws<__half, 64>(const Params&, cudaStream_t);
-extern template void run_forward_ws<__half, 128>(const Params&, cudaStream_t);
-extern template void run_forward_ws<__nv_bfloat16, 64>(const Params&, cudaStream_t);
-extern template void run_forward_ws<__nv_bfloat16, 128>(const Params&, cudaStream_t);
+extern template void run_backward<__half, 64>(const Params&, int64_t, cudaStream_t);
+extern template void run_backward<__half, 128>(const Params&, int64_t, cudaStream_t);
+extern template void run_backward<__nv_bfloat16, 64>(const Params&, int64_t, cudaStream_t);
+extern template void run_backward<__nv_bfloat16, 128>(const Params&, int64_t, cudaStream_t);
 
 }  // namespace sm90
 

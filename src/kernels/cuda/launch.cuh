@@ -53,9 +53,11 @@ void run_forward(const Params& p, cudaStream_t stream) {
   clear_unused_rows<T>(p.a, p.a.out, p.a.lse, p.a.cu_seqlens_q, p.a.rows_q, p.a.heads_q, stream);
 }
 
-template <typename T, int kHeadDim>
-void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
-  using B = Backward<T, kHeadDim>;
+// The passes around a backward kernel: dsum and lse2 first, then main() (the kernel that computes
+// dK, dV and dQ's fp32 accumulator), then dQ (the deterministic pass, or the conversion of the
+// accumulator) and the rows of no sequence.
+template <typename T, int kHeadDim, typename Main>
+void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, Main&& main) {
   using D = DqPass<T, kHeadDim>;
   constexpr int kThreads = 256;
   const core::AttentionArgs& a = p.a;
@@ -66,13 +68,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 
-  const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(a.heads_kv),
-                  static_cast<unsigned>(a.batch));
-  if (grid.x > 0) {
-    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "backward", kHeadDim);
-    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
-    RINGFLASH_CUDA_CHECK(cudaGetLastError());
-  }
+  main();
 
   if (row_heads > 0 && p.a.deterministic) {
     const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(a.heads_q),
@@ -89,6 +85,19 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   }
   clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
   clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+}
+
+template <typename T, int kHeadDim>
+void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
+  using B = Backward<T, kHeadDim>;
+  backward_passes<T, kHeadDim>(p, total_rows, stream, [&] {
+    const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(p.a.heads_kv),
+                    static_cast<unsigned>(p.a.batch));
+    if (grid.x == 0) return;
+    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "backward", kHeadDim);
+    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  });
 }
 
 }  // namespace ringflash::cuda

@@ -10,6 +10,8 @@ std::string unsupported_reason(const core::AttentionArgs&) {
   return "CUDA tensors need a build with CUDA (RINGFLASH_CUDA=ON)";
 }
 
+std::string kernels_used(const core::AttentionArgs&) { return ""; }
+
 void attention_forward(const core::AttentionArgs&) {
   throw NotSupported("[attention_forward] CUDA tensors need a build with CUDA (RINGFLASH_CUDA=ON)");
 }

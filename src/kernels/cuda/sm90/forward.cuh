@@ -1,18 +1,22 @@
-// The Hopper forward kernel (sm_90a), first version: one thread block of two warpgroups per
-// (query tile of 128 rows, head, sequence), each warpgroup owning 64 rows.
+// The Hopper forward kernel (sm_90a): one thread block per (query tile of 128 rows, head,
+// sequence), warp-specialised.
 //
-//   - Q, and K and V in two stages, arrive by TMA (128-byte-swizzled column blocks of 64 elements)
-//     on mbarriers; thread 0 issues the copies of key tile n + 2 once both warpgroups are done with
-//     tile n.
-//   - S = Q K^T is wgmma m64n128k16 with both operands in shared memory; the online softmax is the
-//     sm_80 kernel's (its fragments have the same layout); O += P V is wgmma with P in registers
-//     and V read transposed from shared memory.
-//   - The epilogue is the sm_80 kernel's write_output (accumulate mode included).
+//   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
+//     every TMA copy: Q once, then K and V of each key tile into three stages, each completing on
+//     an mbarrier. A stage is reused once every consumer warp has arrived on its `empty` barrier.
+//   - Warpgroups 1 and 2 are the consumers, 64 query rows each, at 240 registers. S = Q K^T is
+//     wgmma m64n128k16 with both operands in shared memory (128-byte-swizzled column blocks of 64
+//     elements, as TMA writes them); O += P V is wgmma with P in registers and V read MN-major.
+//   - A consumer overlaps the softmax of key tile i with the P V product of tile i - 1: it issues
+//     S(i) and O += P(i - 1) V(i - 1), waits for S(i) alone, computes P(i) while the tensor cores
+//     run P V, then waits for that, frees the stage of tile i - 1 and rescales O. The two consumers
+//     never wait for each other, so one's softmax also runs under the other's products.
+//   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
+//     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
-// Not yet: warp-specialised producers with setmaxnreg, ping-pong of the two warpgroups, softmax
-// overlapped with the next S, a persistent scheduler; packed batches (a TMA box cannot stop at a
-// sequence's end, and the rows after it may hold anything), softcap and ALiBi (the sm_80 kernel
-// runs those).
+// Packed batches: a TMA box does not stop at a sequence's end, so the last key tile of a sequence
+// may hold rows of the next one. The mask hides them (P is exactly 0 there); Q rows past the end
+// are computed and not written.
 #pragma once
 
 #include <cuda.h>
@@ -22,163 +26,42 @@
 
 namespace ringflash::cuda::sm90 {
 
-// q, k and v as 4-D tensor maps (head dim, heads, rows, batch), boxes of 64 columns x 1 head x
-// 128 rows x 1, 128-byte swizzle; columns past the head dim and rows past the tensor read as 0.
+// q, k and v as 4-D tensor maps (head dim, heads, rows, batch), 128-byte swizzle, boxes of 64
+// columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the tensor
+// read as 0. A packed batch is one sequence of the maps (batch 1).
 struct Maps {
   CUtensorMap q, k, v;
 };
 
+// Loads rows [row, row + kRows) of head h, sequence b of a (kHeadDim-column) operand into
+// kHeadDim / 64 column blocks of kRows x 128 bytes each, completing on bar.
+template <int kRows, int kHeadDim, typename T>
+__device__ __forceinline__ void load_tile(T* dst, const CUtensorMap* map, uint64_t* bar, int64_t row, int h,
+                                          int64_t b) {
+#pragma unroll
+  for (int c = 0; c < kHeadDim / 64; ++c)
+    tma_load_4d(dst + c * kRows * 64, map, bar, c * 64, h, static_cast<int>(row), static_cast<int>(b));
+}
+
+// The descriptor of 16 columns (k-step ks) of a K-major operand tile of column blocks that are
+// block_rows x 128 bytes each, starting at row `row0` (a multiple of 8).
+__device__ __forceinline__ uint64_t k_step_desc(uint32_t tile, int block_rows, int row0, int ks) {
+  return k_major_desc(tile + (ks / 4) * block_rows * 128 + row0 * 128 + (ks % 4) * 32);
+}
+
 template <typename T, int kHeadDim>
 struct Forward {
-  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 2;
-  static constexpr int kThreads = 256;  // two warpgroups of 64 rows
-  static constexpr int kColumnBlock = 64;  // elements in a 128-byte swizzled row
-  static constexpr int kColumnBlocks = kHeadDim / kColumnBlock;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
-  static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
-  static_assert(kHeadDim % kColumnBlock == 0 && kHeadDim <= 256, "whole column blocks");
-
-  // Loads rows [row, row + rows of the box) of head h, sequence b into kColumnBlocks blocks.
-  static __device__ __forceinline__ void load(T* dst, const CUtensorMap* map, uint64_t* bar, int64_t row, int h,
-                                              int64_t b, int rows) {
-#pragma unroll
-    for (int c = 0; c < kColumnBlocks; ++c)
-      tma_load_4d(dst + c * rows * kColumnBlock, map, bar, c * kColumnBlock, h, static_cast<int>(row),
-                  static_cast<int>(b));
-  }
-
-  static __device__ void run(const Params& p, const Maps& maps) {
-    extern __shared__ unsigned char raw[];
-    T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-    T* sk = sq + kBlockM * kHeadDim;            // kStages tiles
-    T* sv = sk + kStages * kBlockN * kHeadDim;  // kStages tiles
-    __shared__ uint64_t q_full, k_full[kStages], v_full[kStages];
-
-    const core::AttentionArgs& a = p.a;
-    const int64_t b = blockIdx.z;
-    const int h = blockIdx.y;
-    const core::Sequence seq = core::sequence(a, b);
-    // The last query tiles first, as in the sm_80 kernel.
-    const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
-    if (q0 >= seq.len_q) return;
-    const int rows = tile_rows(seq.len_q, q0, kBlockM);
-    const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
-    const int warp_row0 = group * 64 + (tid % 128) / 32 * 16;
-
-    const core::Mask mask = p.mask();
-    int64_t n_begin, n_end;
-    key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
-    const int64_t tiles = n_end - n_begin;
-    const int hk = h / p.group;
-    const auto issue = [&](int stage, int64_t n) {
-      mbarrier_arrive_expect(&k_full[stage], kKVBytes);
-      load(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], seq.row_k + n * kBlockN, hk, b, kBlockN);
-      mbarrier_arrive_expect(&v_full[stage], kKVBytes);
-      load(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], seq.row_k + n * kBlockN, hk, b, kBlockN);
-    };
-    if (tid == 0) {
-      mbarrier_init(&q_full, 1);
-      for (int s = 0; s < kStages; ++s) {
-        mbarrier_init(&k_full[s], 1);
-        mbarrier_init(&v_full[s], 1);
-      }
-      fence_barrier_init();
-    }
-    __syncthreads();
-    if (tid == 0 && tiles > 0) {
-      mbarrier_arrive_expect(&q_full, kQBytes);
-      load(sq, &maps.q, &q_full, seq.row_q + q0, h, b, kBlockM);
-      for (int s = 0; s < kStages && s < tiles; ++s) issue(s, n_begin + s);
-    }
-
-    const ScoreTransform f = p.score_transform(b, h);
-    const bool plain = p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
-    float o[1][kDT][4] = {};
-    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
-    auto& o_flat = reinterpret_cast<float(&)[kDT * 4]>(o);
-    // This warpgroup's 64 rows of Q: 64 rows x 128 bytes further into each column block.
-    const uint32_t q_base = smem_u32(sq) + group * 64 * 128;
-
-    if (tiles > 0) mbarrier_wait(&q_full, 0);
-    for (int64_t i = 0; i < tiles; ++i) {
-      const int stage = static_cast<int>(i % kStages);
-      const uint32_t phase = static_cast<uint32_t>(i / kStages) & 1u;
-      const int64_t n = n_begin + i;
-      const uint32_t k_base = smem_u32(sk + stage * kBlockN * kHeadDim);
-      const uint32_t v_base = smem_u32(sv + stage * kBlockN * kHeadDim);
-
-      mbarrier_wait(&k_full[stage], phase);
-      float s[1][kNT][4];
-      auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        // Column block ks / 4, then 32 bytes (16 elements) per k-step inside the 128-byte rows.
-        const uint32_t column = (ks % 4) * 32;
-        const uint64_t qd = k_major_desc(q_base + (ks / 4) * kBlockM * 128 + column);
-        const uint64_t kd = k_major_desc(k_base + (ks / 4) * kBlockN * 128 + column);
-        Wgmma<T, kBlockN>::template ss<0>(s_flat, qd, kd, ks > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      keep(s_flat);
-
-      const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
-      const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
-      const bool partial = valid_n < kBlockN ||
-                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
-      const bool raw_scores = !partial && plain;
-      if (!raw_scores)
-        transform_scores(s, f, false, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
-      online_softmax(s, o, row_max, row_sum, raw_scores ? p.qk_scale : 1.0f);
-
-      uint32_t pa[kBlockN / 16][4];
-#pragma unroll
-      for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[ps], s[0][2 * ps], s[0][2 * ps + 1]);
-
-      mbarrier_wait(&v_full[stage], phase);
-      keep(o_flat);
-      keep(pa);
-      wgmma_fence();
-#pragma unroll
-      for (int ps = 0; ps < kBlockN / 16; ++ps) {
-        // 16 keys = two 8-row atoms of 1024 bytes; the column blocks of V are kBlockN rows apart.
-        const uint64_t vd = mn_major_desc(v_base + ps * 2 * 1024, kBlockN * 128);
-        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], vd, true);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      keep(o_flat);
-
-      __syncthreads();  // both warpgroups are done with this stage's K and V
-      if (tid == 0 && i + kStages < tiles) issue(stage, n + kStages);
-    }
-
-    write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
-  }
-};
-
-// Second version: warp-specialised. Warpgroup 0 is the producer (one thread issues every TMA
-// copy; the warpgroup gives its registers up), warpgroups 1 and 2 the consumers of 64 rows each
-// (240 registers). A consumer overlaps the softmax of key tile i with the P V product of tile
-// i - 1: it issues S(i) = Q K(i)^T and O += P(i - 1) V(i - 1), waits for S(i), computes P(i) while
-// the tensor cores run P V, then waits for that, rescales O and frees the stage of tile i - 1
-// (an mbarrier that each consumer warp arrives on, which the producer waits for before reusing
-// the stage). The two consumer warpgroups never wait for each other, so one's softmax runs under
-// the other's products.
-template <typename T, int kHeadDim>
-struct ForwardWs {
-  using Base = Forward<T, kHeadDim>;
-  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN;
+  static constexpr int kBlockM = 128, kBlockN = 128;
   // A stage is freed when P V of its tile is done, one tile after its Q K^T: with three, the load
   // of tile i + 2 runs during all of tile i + 1 (with two it would wait at every tile).
   static constexpr int kStages = 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static constexpr int kSmemBytes = Base::kQBytes + 2 * kStages * Base::kKVBytes + 1024;
-  static constexpr int kNT = Base::kNT, kDT = Base::kDT;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
+  static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole column blocks; O within the consumers' registers");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
   static __device__ void run(const Params& p, const Maps& maps) {
@@ -192,6 +75,7 @@ struct ForwardWs {
     const int64_t b = blockIdx.z;
     const int h = blockIdx.y;
     const core::Sequence seq = core::sequence(a, b);
+    // The last query tiles first: under a causal mask they have the most keys.
     const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
     if (q0 >= seq.len_q) return;
     const int rows = tile_rows(seq.len_q, q0, kBlockM);
@@ -216,16 +100,17 @@ struct ForwardWs {
       setmaxnreg_dec<kProducerRegs>();
       if (tid == 0 && tiles > 0) {
         const int hk = h / p.group;
-        mbarrier_arrive_expect(&q_full, Base::kQBytes);
-        Base::load(sq, &maps.q, &q_full, seq.row_q + q0, h, b, kBlockM);
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
+        mbarrier_arrive_expect(&q_full, kQBytes);
+        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
         for (int64_t i = 0; i < tiles; ++i) {
           const int stage = static_cast<int>(i % kStages);
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
-          mbarrier_arrive_expect(&k_full[stage], Base::kKVBytes);
-          Base::load(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, b, kBlockN);
-          mbarrier_arrive_expect(&v_full[stage], Base::kKVBytes);
-          Base::load(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, b, kBlockN);
+          mbarrier_arrive_expect(&k_full[stage], kKVBytes);
+          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
+          mbarrier_arrive_expect(&v_full[stage], kKVBytes);
+          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
         }
       }
     } else {
@@ -242,48 +127,47 @@ struct ForwardWs {
                                                  uint64_t (&empty)[kStages], int consumer, int lane) {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
-    const bool plain = p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
+    const bool alibi = p.a.alibi_slopes != nullptr;
+    const bool plain = !alibi && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
     float o[1][kDT][4] = {};
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
     auto& o_flat = reinterpret_cast<float(&)[kDT * 4]>(o);
     float s[1][kNT][4];
     auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
     uint32_t pa[kBlockN / 16][4];
-    const uint32_t q_base = smem_u32(sq) + consumer * 64 * 128;
+    const uint32_t q_tile = smem_u32(sq);
     const auto stage_of = [](int64_t i) { return static_cast<int>(i % kStages); };
     const auto phase_of = [](int64_t i) { return static_cast<uint32_t>(i / kStages) & 1u; };
 
-    // S(i) = Q K(i)^T, issued and committed as one group.
+    // S(i) = Q K(i)^T for this consumer's 64 rows, issued and committed as one group.
     const auto issue_qk = [&](int64_t i) {
-      const uint32_t k_base = smem_u32(sk + stage_of(i) * kBlockN * kHeadDim);
+      const uint32_t k_tile = smem_u32(sk + stage_of(i) * kBlockN * kHeadDim);
 #pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const uint32_t column = (ks % 4) * 32;
-        const uint64_t qd = k_major_desc(q_base + (ks / 4) * kBlockM * 128 + column);
-        const uint64_t kd = k_major_desc(k_base + (ks / 4) * kBlockN * 128 + column);
-        Wgmma<T, kBlockN>::template ss<0>(s_flat, qd, kd, ks > 0);
-      }
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step_desc(q_tile, kBlockM, consumer * 64, ks),
+                                          k_step_desc(k_tile, kBlockN, 0, ks), ks > 0);
       wgmma_commit();
     };
-    // O += P(i) V(i), issued and committed as one group.
+    // O += P(i) V(i), issued and committed as one group: 16 keys (two 8-row atoms of 1024 bytes)
+    // per step, V's column blocks kBlockN rows apart.
     const auto issue_pv = [&](int64_t i) {
-      const uint32_t v_base = smem_u32(sv + stage_of(i) * kBlockN * kHeadDim);
+      const uint32_t v_tile = smem_u32(sv + stage_of(i) * kBlockN * kHeadDim);
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps)
-        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], mn_major_desc(v_base + ps * 2 * 1024, kBlockN * 128), true);
+        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], mn_major_desc(v_tile + ps * 2 * 1024, kBlockN * 128), true);
       wgmma_commit();
     };
-    // The mask and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
+    // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
     const auto softmax = [&](int64_t i, float (&correction)[1][2]) {
       const int64_t n = n_begin + i;
       const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
       const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
       const bool partial = valid_n < kBlockN ||
                            mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
-      const bool raw_scores = !partial && plain;
-      if (!raw_scores)
-        transform_scores(s, f, false, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
-      return softmax_tile(s, row_max, row_sum, raw_scores ? p.qk_scale : 1.0f, correction);
+      // Plain scores stay raw: the scale goes into the exponent.
+      const bool raw = !partial && plain;
+      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
+      return softmax_tile(s, row_max, row_sum, raw ? p.qk_scale : 1.0f, correction);
     };
     const auto to_a = [&] {
 #pragma unroll
@@ -338,14 +222,6 @@ __global__ void __launch_bounds__(Forward<T, kHeadDim>::kThreads, 1)
     forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   Forward<T, kHeadDim>::run(p, maps);
-#endif
-}
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(ForwardWs<T, kHeadDim>::kThreads, 1)
-    forward_ws_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  ForwardWs<T, kHeadDim>::run(p, maps);
 #endif
 }
 

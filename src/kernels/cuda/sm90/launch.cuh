@@ -1,4 +1,4 @@
-// Host-side launcher of the Hopper forward kernel: the tensor maps of q, k and v, then the launch.
+// Host-side launchers of the Hopper kernels: the tensor maps of the operands, then the launch.
 // Only the generated sm90 instance files (built for sm_90a) include this header.
 #pragma once
 
@@ -9,6 +9,7 @@
 
 #include "../check.h"
 #include "../launch.cuh"
+#include "backward.cuh"
 #include "forward.cuh"
 
 namespace ringflash::cuda::sm90 {
@@ -55,31 +56,60 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   return map;
 }
 
-// Launches kernel (forward_kernel or forward_ws_kernel, whose shapes F gives).
-template <typename T, int kHeadDim, typename F, typename Kernel>
-void launch_forward(Kernel kernel, const char* name, const Params& p, cudaStream_t stream) {
-  const core::AttentionArgs& a = p.a;
-  allow_smem(kernel, F::kSmemBytes, name, kHeadDim);
-  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
-                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
-                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
-  const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
-                  static_cast<unsigned>(a.batch));
-  if (grid.x > 0) {
-    kernel<<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
-    RINGFLASH_CUDA_CHECK(cudaGetLastError());
-  }
+// A row statistic of the backward's workspace (fp32, row i of column c at data[c * rows + i]) as a
+// 2-D map (rows, columns) with boxes of box_rows x 1; rows must be a multiple of 4 (16-byte strides).
+inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(columns)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(rows) * sizeof(float)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUtensorMap map{};
+  const CUresult rc = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(data), dims, strides,
+                                     box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused a row statistic (error ",
+                  static_cast<int>(rc), "; ", rows, " rows)");
+  return map;
 }
 
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
-  launch_forward<T, kHeadDim, Forward<T, kHeadDim>>(forward_kernel<T, kHeadDim>, "Hopper forward", p, stream);
+  using F = Forward<T, kHeadDim>;
+  const core::AttentionArgs& a = p.a;
+  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
+  const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
+                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
+                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
+  const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
+                  static_cast<unsigned>(a.batch));
+  if (grid.x > 0) {
+    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  }
+  clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
 template <typename T, int kHeadDim>
-void run_forward_ws(const Params& p, cudaStream_t stream) {
-  launch_forward<T, kHeadDim, ForwardWs<T, kHeadDim>>(forward_ws_kernel<T, kHeadDim>,
-                                                      "Hopper warp-specialised forward", p, stream);
+void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
+  using B = Backward<T, kHeadDim>;
+  backward_passes<T, kHeadDim>(p, total_rows, stream, [&] {
+    const core::AttentionArgs& a = p.a;
+    const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN), static_cast<unsigned>(a.heads_kv),
+                    static_cast<unsigned>(a.batch));
+    if (grid.x == 0) return;
+    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
+    const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+    const int64_t stat_columns = batch * a.heads_q;
+    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            stat_map(p.lse2, p.stat_head_stride, stat_columns, B::kBlockM),
+                            stat_map(p.dsum, p.stat_head_stride, stat_columns, B::kBlockM)};
+    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  });
 }
 
 }  // namespace ringflash::cuda::sm90

@@ -2,5 +2,5 @@
 #include "../sm90/launch.cuh"
 
 namespace ringflash::cuda::sm90 {
-template void run_forward_ws<__nv_bfloat16, 128>(const Params&, cudaStream_t);
+template void run_backward<__half, 64>(const Params&, int64_t, cudaStream_t);
 }

@@ -1,0 +1,287 @@
+// The Hopper backward kernel (sm_90a): one thread block per (key tile of 128 keys, k/v head,
+// sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the rows of no
+// sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its main one.
+//
+//   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
+//     item (a query tile of 64 rows, for each q head of the group in turn) Q, dO and the rows'
+//     lse2 and dsum into two stages, by TMA on mbarriers.
+//   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
+//       S^T = K Q^T and dP^T = V dO^T      (64 keys x 64 queries, both operands K-major)
+//       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
+//       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
+//       dQ  = dS K                         (dS^T through shared memory, read transposed)
+//     and dQ goes to the fp32 accumulator with vector atomics. With head dim 128 each consumer
+//     takes 64 of dQ's columns over all 128 keys (both consumers' dS^T: a named barrier); with 64,
+//     all columns over its own 64 keys.
+//   - dK and dV stay in registers over every item and are written once at the end.
+//
+// Packed batches: the last tiles of a sequence may hold rows of the next one; the mask hides them
+// (P and dS are exactly 0 there), and rows past the sequence are never written.
+#pragma once
+
+#include <cuda.h>
+
+#include "../backward.cuh"
+#include "forward.cuh"
+#include "ptx.h"
+
+namespace ringflash::cuda::sm90 {
+
+// The backward's operands as tensor maps: q and dout with boxes of 64 rows, k and v of 128; lse2
+// and dsum (the workspace's fp32 row statistics) as 2-D maps (rows, heads x sequences) with boxes
+// of 64 rows.
+struct BackwardMaps {
+  CUtensorMap q, dout, k, v, lse2, dsum;
+};
+
+template <typename T, int kHeadDim>
+struct Backward {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  static constexpr int kThreads = 384;
+  static constexpr int kConsumerWarps = 8;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kStatBytes = kBlockM * 4;
+  static constexpr int kSBytes = kBlockN * kBlockM * 2;  // dS^T, [key][query]: one 128-byte column block
+  // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
+  // write); + room to align to 1024.
+  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 1024;
+  static constexpr int kDT = kHeadDim / 8;
+  // dQ = dS K: with head dim 128 a consumer takes 64 columns over all keys, with 64 every column
+  // over its own keys. Either way a wgmma of N = 64.
+  static constexpr bool kSplitColumns = kHeadDim == 128;
+  static constexpr int kDqKeys = kSplitColumns ? kBlockN : kBlockN / 2;
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
+  static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
+  using STile = Tile<kBlockN, kBlockM>;  // the 128-byte swizzle of TMA and wgmma, at a 1024-byte boundary
+
+  static __device__ void run(const Params& p, const BackwardMaps& maps) {
+    extern __shared__ unsigned char raw[];
+    T* sk = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    T* sv = sk + kBlockN * kHeadDim;
+    T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
+    T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
+    T* sds = sdo + kStages * kBlockM * kHeadDim;  // two tiles
+    __shared__ __align__(128) float stats[kStages][2][kBlockM];  // lse2, dsum (TMA writes at 128-byte boundaries)
+    __shared__ uint64_t kv_full, full[kStages], empty[kStages];
+
+    const core::AttentionArgs& a = p.a;
+    const int64_t b = blockIdx.z;
+    const int hk = blockIdx.y;
+    const core::Sequence seq = core::sequence(a, b);
+    const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
+    if (n0 >= seq.len_k) return;
+    const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
+    const core::Mask mask = p.mask();
+    int64_t first, last;
+    mask.query_span(seq.pos_k + n0, seq.pos_k + n0 + valid_n, seq.pos_q, seq.pos_q + seq.len_q, &first, &last);
+    const int m_begin = static_cast<int>((first - seq.pos_q) / kBlockM);
+    const int m_end = last > first ? static_cast<int>((last - seq.pos_q + kBlockM - 1) / kBlockM) : m_begin;
+    // Items: query tiles [m_begin, m_end) of each q head of the group in turn.
+    const Items items{hk * p.group, m_begin, m_end - m_begin, p.group * (m_end - m_begin)};
+    const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
+
+    if (tid == 0) {
+      mbarrier_init(&kv_full, 1);
+      for (int s = 0; s < kStages; ++s) {
+        mbarrier_init(&full[s], 1);
+        mbarrier_init(&empty[s], kConsumerWarps);
+      }
+      fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (group == 0) {
+      setmaxnreg_dec<kProducerRegs>();
+      if (tid == 0 && items.count > 0) {
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
+        mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
+        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
+        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
+        for (int i = 0; i < items.count; ++i) {
+          const int stage = i % kStages;
+          if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
+          const int h = items.head(i);
+          const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
+          mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
+          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
+          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
+          const int stat_column = static_cast<int>(tb * a.heads_q + h);
+          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], static_cast<int>(row), stat_column);
+          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], static_cast<int>(row), stat_column);
+        }
+      }
+    } else {
+      setmaxnreg_inc<kConsumerRegs>();
+      consume(p, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, stats, kv_full, full, empty, group - 1,
+              lane);
+    }
+  }
+
+  struct Items {
+    int head0, m_begin, tiles, count;
+    __device__ __forceinline__ int head(int i) const { return head0 + i / tiles; }
+    __device__ __forceinline__ int query_tile(int i) const { return m_begin + i % tiles; }
+  };
+
+  static __device__ __forceinline__ void consume(const Params& p, int64_t b, int hk, const core::Sequence& seq,
+                                                 int64_t n0, int valid_n, const core::Mask& mask, const Items& items,
+                                                 T* sk, T* sv, T* sq, T* sdo, T* sds,
+                                                 float (&stats)[kStages][2][kBlockM], uint64_t& kv_full,
+                                                 uint64_t (&full)[kStages], uint64_t (&empty)[kStages], int consumer,
+                                                 int lane) {
+    const core::AttentionArgs& a = p.a;
+    const int warp = (threadIdx.x % 128) / 32;
+    const int key0 = consumer * 64 + warp * 16;  // this warp's first key in the tile
+    const bool alibi = a.alibi_slopes != nullptr;
+    const bool plain = !alibi && p.softcap_log2 == 0.0f;
+    float dk[kDT * 4] = {}, dv[kDT * 4] = {};
+    float st[32], dpt[32], dq[32];  // 64 x 64 accumulators: S^T, dP^T; dQ's part
+    uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
+    const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
+
+    if (items.count > 0) mbarrier_wait(&kv_full, 0);
+    for (int i = 0; i < items.count; ++i) {
+      const int stage = i % kStages;
+      const int h = items.head(i);
+      const int64_t q0 = items.query_tile(i) * int64_t{kBlockM};
+      const int rows = tile_rows(seq.len_q, q0, kBlockM);
+      const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
+      const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
+      T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
+      mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
+
+      // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<T, 64>::template ss<0, 0>(st, k_step_desc(k_tile, kBlockN, consumer * 64, ks),
+                                        k_step_desc(q_tile, kBlockM, 0, ks), ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<T, 64>::template ss<0, 0>(dpt, k_step_desc(v_tile, kBlockN, consumer * 64, ks),
+                                        k_step_desc(do_tile, kBlockM, 0, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      keep(st);
+      keep(dpt);
+
+      // P^T and dS^T in place of S^T and dP^T. Element (j, e) of a warp's fragment is key
+      // key0 + lane / 4 + 8 (e / 2), query 8 j + 2 (lane % 4) + e % 2.
+      const ScoreTransform f = p.score_transform(b, h);
+      const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
+      const float* lse2 = stats[stage][0];
+      const float* dsum = stats[stage][1];
+      with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + lane / 4 + (e / 2) * 8;
+            const int query = j * 8 + (lane % 4) * 2 + e % 2;
+            element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
+                f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
+          }
+      });
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq) {
+        accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
+        accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
+        store_a<STile>(ds_tile, key0, kq * 16, da[kq], lane);  // dS^T for dQ
+      }
+      fence_proxy_async();
+
+      // dV += P^T dO and dK += dS^T Q: 16 queries (two 8-row atoms) per step, the column blocks
+      // of dO and Q kBlockM rows apart.
+      keep(dk);
+      keep(dv);
+      keep(pa);
+      keep(da);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], mn_major_desc(do_tile + kq * 2048, kBlockM * 128), true);
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kHeadDim>::template rs<1>(dk, da[kq], mn_major_desc(q_tile + kq * 2048, kBlockM * 128), true);
+      wgmma_commit();
+
+      // dQ = dS K once the dS^T it reads are in shared memory: both consumers' (a barrier of the
+      // 256 consumer threads) or this one's (of its 128).
+      if (kSplitColumns) named_barrier_sync(1, 256);
+      else named_barrier_sync(2 + consumer, 128);
+      const uint32_t ds_keys = smem_u32(ds_tile) + (kSplitColumns ? 0 : consumer * 64 * 128);
+      // K's rows of those keys, and this consumer's column block of them.
+      const uint32_t k_keys = k_tile + (kSplitColumns ? consumer * kBlockN * 128 : consumer * 64 * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kDqKeys / 16; ++ks)
+        Wgmma<T, 64>::template ss<1, 1>(dq, mn_major_desc(ds_keys + ks * 2048, kBlockN * 128),
+                                        mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      keep(dk);
+      keep(dv);
+      keep(pa);
+      keep(da);
+      keep(dq);
+      if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
+
+      add_dq(p, b, h, seq.row_q + q0, rows, kSplitColumns ? consumer * 64 : 0, warp, lane, dq);
+    }
+    write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
+  }
+
+  // Adds scale * dq, a 64 x 64 tile at columns col0 (warp w: rows 16 w onwards), to the fp32
+  // accumulator, skipping rows past the sequence and columns past the head dim.
+  static __device__ __forceinline__ void add_dq(const Params& p, int64_t b, int h, int64_t row0, int rows, int col0,
+                                                int warp, int lane, const float (&dq)[32]) {
+    const int head_dim = static_cast<int>(p.a.head_dim);
+    const int row_stride = static_cast<int>(p.dq_accum_row_stride);
+    float* tile = p.dq_accum + b * p.dq_accum_batch_stride + row0 * p.dq_accum_row_stride +
+                  h * p.dq_accum_head_stride + col0;
+    const float scale = p.softmax_scale;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + lane / 4 + half * 8;
+      if (r >= rows) continue;
+      float* dst = tile + r * row_stride + (lane % 4) * 2;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (col0 + j * 8 < head_dim) add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
+    }
+  }
+  // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV.
+  static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
+                                                    int key0, const float (&dk)[kDT * 4], const float (&dv)[kDT * 4],
+                                                    int lane) {
+    const core::AttentionArgs& a = p.a;
+    const int head_dim = static_cast<int>(a.head_dim);
+    const float scale = p.softmax_scale;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = key0 + lane / 4 + half * 8;
+      if (key >= valid_n) continue;
+#pragma unroll
+      for (int j = 0; j < kDT; ++j) {
+        if (j * 8 >= head_dim) break;
+        const int col = j * 8 + (lane % 4) * 2;
+        const int e = 4 * j + 2 * half;
+        store_grad_pair<T>(a, a.dk, b, row0 + key, hk, col, dk[e] * scale, dk[e + 1] * scale);
+        store_grad_pair<T>(a, a.dv, b, row0 + key, hk, col, dv[e], dv[e + 1]);
+      }
+    }
+  }
+};
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(Backward<T, kHeadDim>::kThreads, 1)
+    backward_kernel(const __grid_constant__ Params p, const __grid_constant__ BackwardMaps maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  Backward<T, kHeadDim>::run(p, maps);
+#endif
+}
+
+}  // namespace ringflash::cuda::sm90
