@@ -3,10 +3,12 @@
 // sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its main one.
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
-//     item (a query tile of 64 rows, for each q head of the group in turn) Q, dO and the rows'
-//     lse2 and dsum into two stages, by TMA on mbarriers.
+//     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q and dO into two
+//     stages by TMA on mbarriers; the next warp copies the rows' lse2 and dsum with cp.async, which
+//     arrives on the same mbarrier. (A TMA copy of them would have to start at a 16-byte boundary,
+//     and a packed sequence starts at any row.)
 //   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
-//       S^T = K Q^T and dP^T = V dO^T      (64 keys x 64 queries, both operands K-major)
+//       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
 //       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
 //       dQ  = dS K                         (dS^T through shared memory, read transposed)
@@ -27,33 +29,37 @@
 
 namespace ringflash::cuda::sm90 {
 
-// The backward's operands as tensor maps: q and dout with boxes of 64 rows, k and v of 128; lse2
-// and dsum (the workspace's fp32 row statistics) as 2-D maps (rows, heads x sequences) with boxes
-// of 64 rows.
+// The backward's operands as tensor maps: q and dout with boxes of a query tile's rows, k and v of
+// 128.
 struct BackwardMaps {
-  CUtensorMap q, dout, k, v, lse2, dsum;
+  CUtensorMap q, dout, k, v;
 };
 
 template <typename T, int kHeadDim>
 struct Backward {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
+  // At head dim 64 a query tile of 128 rows: the same work per item as head dim 128 at 64 rows,
+  // so the fixed costs of an item (its waits, the softmax's row loads) are shared by twice the
+  // products.
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = 128, kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kStatBytes = kBlockM * 4;
-  static constexpr int kSBytes = kBlockN * kBlockM * 2;  // dS^T, [key][query]: one 128-byte column block
+  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
+  static constexpr int kSBytes = kBlockN * kBlockM * 2;
   // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
   // write); + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
   // dQ = dS K: with head dim 128 a consumer takes 64 columns over all keys, with 64 every column
-  // over its own keys. Either way a wgmma of N = 64.
+  // over its own keys. Either way wgmma of N = 64, one per 64 query rows.
   static constexpr bool kSplitColumns = kHeadDim == 128;
   static constexpr int kDqKeys = kSplitColumns ? kBlockN : kBlockN / 2;
+  static constexpr int kQueryBlocks = kBlockM / 64;
+  static_assert(!kSplitColumns || kBlockM == 64, "split columns: one 64-row block of dQ");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
-  using STile = Tile<kBlockN, kBlockM>;  // the 128-byte swizzle of TMA and wgmma, at a 1024-byte boundary
+  using STile = Tile<kBlockN, 64>;  // one column block: the 128-byte swizzle of TMA and wgmma at a 1024-byte boundary
 
   static __device__ void run(const Params& p, const BackwardMaps& maps) {
     extern __shared__ unsigned char raw[];
@@ -62,7 +68,7 @@ struct Backward {
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;  // two tiles
-    __shared__ __align__(128) float stats[kStages][2][kBlockM];  // lse2, dsum (TMA writes at 128-byte boundaries)
+    __shared__ float stats[kStages][2][kBlockM];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
@@ -84,7 +90,7 @@ struct Backward {
     if (tid == 0) {
       mbarrier_init(&kv_full, 1);
       for (int s = 0; s < kStages; ++s) {
-        mbarrier_init(&full[s], 1);
+        mbarrier_init(&full[s], 1 + 32);  // the TMA copies' thread and the statistics' warp
         mbarrier_init(&empty[s], kConsumerWarps);
       }
       fence_barrier_init();
@@ -93,6 +99,22 @@ struct Backward {
 
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
+      if (tid / 32 == 1 && items.count > 0) {
+        // lse2 and dsum of each item's rows (0 past the sequence: the mask hides those rows).
+        for (int i = 0; i < items.count; ++i) {
+          const int stage = i % kStages;
+          if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
+          const int64_t q0 = items.query_tile(i) * int64_t{kBlockM};
+          const int rows = tile_rows(seq.len_q, q0, kBlockM);
+#pragma unroll
+          for (int r = lane; r < kBlockM; r += 32) {
+            const int64_t at = p.stat_index(b, items.head(i), seq.row_q + q0 + (r < rows ? r : 0));
+            cp_async_4(smem_u32(&stats[stage][0][r]), p.lse2 + at, r < rows);
+            cp_async_4(smem_u32(&stats[stage][1][r]), p.dsum + at, r < rows);
+          }
+          cp_async_mbarrier_arrive(&full[stage]);
+        }
+      }
       if (tid == 0 && items.count > 0) {
         const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
@@ -103,12 +125,9 @@ struct Backward {
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int h = items.head(i);
           const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
-          mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
+          mbarrier_arrive_expect(&full[stage], 2 * kQBytes);
           load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
           load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
-          const int stat_column = static_cast<int>(tb * a.heads_q + h);
-          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], static_cast<int>(row), stat_column);
-          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], static_cast<int>(row), stat_column);
         }
       }
     } else {
@@ -136,7 +155,8 @@ struct Backward {
     const bool alibi = a.alibi_slopes != nullptr;
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
-    float st[32], dpt[32], dq[32];  // 64 x 64 accumulators: S^T, dP^T; dQ's part
+    float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
+    float dq[kQueryBlocks][32];               // dQ's part: 64 columns of each 64 rows
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
     const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
 
@@ -155,11 +175,11 @@ struct Backward {
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, 64>::template ss<0, 0>(st, k_step_desc(k_tile, kBlockN, consumer * 64, ks),
+        Wgmma<T, kBlockM>::template ss<0, 0>(st, k_step_desc(k_tile, kBlockN, consumer * 64, ks),
                                         k_step_desc(q_tile, kBlockM, 0, ks), ks > 0);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, 64>::template ss<0, 0>(dpt, k_step_desc(v_tile, kBlockN, consumer * 64, ks),
+        Wgmma<T, kBlockM>::template ss<0, 0>(dpt, k_step_desc(v_tile, kBlockN, consumer * 64, ks),
                                         k_step_desc(do_tile, kBlockM, 0, ks), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
@@ -172,13 +192,17 @@ struct Backward {
       const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
       const float* lse2 = stats[stage][0];
       const float* dsum = stats[stage][1];
+      // The lane, opaque to the compiler in each item: otherwise it computes every element's
+      // key and query offsets once, before the loop, and spills them.
+      int item_lane = lane;
+      asm volatile("" : "+r"(item_lane));
       with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < kBlockM / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int key = key0 + lane / 4 + (e / 2) * 8;
-            const int query = j * 8 + (lane % 4) * 2 + e % 2;
+            const int key = key0 + item_lane / 4 + (e / 2) * 8;
+            const int query = j * 8 + (item_lane % 4) * 2 + e % 2;
             element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
                 f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
           }
@@ -189,7 +213,7 @@ struct Backward {
                              reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
         accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
                              reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
-        store_a<STile>(ds_tile, key0, kq * 16, da[kq], lane);  // dS^T for dQ
+        store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
       }
       fence_proxy_async();
 
@@ -217,19 +241,24 @@ struct Backward {
       const uint32_t k_keys = k_tile + (kSplitColumns ? consumer * kBlockN * 128 : consumer * 64 * 128);
       wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kDqKeys / 16; ++ks)
-        Wgmma<T, 64>::template ss<1, 1>(dq, mn_major_desc(ds_keys + ks * 2048, kBlockN * 128),
-                                        mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
+      for (int mb = 0; mb < kQueryBlocks; ++mb)
+#pragma unroll
+        for (int ks = 0; ks < kDqKeys / 16; ++ks)
+          Wgmma<T, 64>::template ss<1, 1>(dq[mb], mn_major_desc(ds_keys + mb * kBlockN * 128 + ks * 2048, kBlockN * 128),
+                                          mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
       keep(dk);
       keep(dv);
       keep(pa);
       keep(da);
-      keep(dq);
+#pragma unroll
+      for (int mb = 0; mb < kQueryBlocks; ++mb) keep(dq[mb]);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
 
-      add_dq(p, b, h, seq.row_q + q0, rows, kSplitColumns ? consumer * 64 : 0, warp, lane, dq);
+#pragma unroll
+      for (int mb = 0; mb < kQueryBlocks; ++mb)
+        add_dq(p, b, h, seq.row_q + q0 + mb * 64, rows - mb * 64, kSplitColumns ? consumer * 64 : 0, warp, lane, dq[mb]);
     }
     write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
   }
