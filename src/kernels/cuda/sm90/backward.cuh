@@ -3,8 +3,8 @@
 // sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its main one.
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
-//     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q and dO into two
-//     stages by TMA on mbarriers; the next warp copies the rows' lse2 and dsum with cp.async, which
+//     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q
+//     and dO into two stages by TMA on mbarriers; the next warp copies the rows' lse2 and dsum with cp.async, which
 //     arrives on the same mbarrier. (A TMA copy of them would have to start at a 16-byte boundary,
 //     and a packed sequence starts at any row.)
 //   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
@@ -12,9 +12,9 @@
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
 //       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
 //       dQ  = dS K                         (dS^T through shared memory, read transposed)
-//     and dQ goes to the fp32 accumulator with vector atomics. With head dim 128 each consumer
-//     takes 64 of dQ's columns over all 128 keys (both consumers' dS^T: a named barrier); with 64,
-//     all columns over its own 64 keys.
+//     and dQ goes to the fp32 accumulator with vector atomics. The item's dQ is 128 x 64 or
+//     64 x 128: each consumer takes one 64 x 64 block of it over all 128 keys, so it reads both
+//     consumers' dS^T (a named barrier of the two), and every element gets one atomic per item.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //
 // Packed batches: the last tiles of a sequence may hold rows of the next one; the mask hides them
@@ -51,12 +51,9 @@ struct Backward {
   // write); + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
-  // dQ = dS K: with head dim 128 a consumer takes 64 columns over all keys, with 64 every column
-  // over its own keys. Either way wgmma of N = 64, one per 64 query rows.
-  static constexpr bool kSplitColumns = kHeadDim == 128;
-  static constexpr int kDqKeys = kSplitColumns ? kBlockN : kBlockN / 2;
-  static constexpr int kQueryBlocks = kBlockM / 64;
-  static_assert(!kSplitColumns || kBlockM == 64, "split columns: one 64-row block of dQ");
+  // dQ = dS K, kBlockM x kHeadDim: consumer c takes 64 x 64 block c of it (of its rows at head dim
+  // 64, of its columns at 128) over all keys.
+  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "one 64 x 64 block of dQ per consumer");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
   using STile = Tile<kBlockN, 64>;  // one column block: the 128-byte swizzle of TMA and wgmma at a 1024-byte boundary
@@ -156,7 +153,7 @@ struct Backward {
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
-    float dq[kQueryBlocks][32];               // dQ's part: 64 columns of each 64 rows
+    float dq[32];                             // this consumer's 64 x 64 block of dQ
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
     const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
 
@@ -232,33 +229,28 @@ struct Backward {
         Wgmma<T, kHeadDim>::template rs<1>(dk, da[kq], mn_major_desc(q_tile + kq * 2048, kBlockM * 128), true);
       wgmma_commit();
 
-      // dQ = dS K once the dS^T it reads are in shared memory: both consumers' (a barrier of the
-      // 256 consumer threads) or this one's (of its 128).
-      if (kSplitColumns) named_barrier_sync(1, 256);
-      else named_barrier_sync(2 + consumer, 128);
-      const uint32_t ds_keys = smem_u32(ds_tile) + (kSplitColumns ? 0 : consumer * 64 * 128);
-      // K's rows of those keys, and this consumer's column block of them.
-      const uint32_t k_keys = k_tile + (kSplitColumns ? consumer * kBlockN * 128 : consumer * 64 * 128);
+      // dQ = dS K once both consumers' dS^T are in shared memory (the 256 consumer threads): this
+      // consumer's column block of dS^T (its 64 query rows) at head dim 64, else the only one; K's
+      // column block of its 64 dQ columns at head dim 128, else the only one.
+      named_barrier_sync(1, 256);
+      const int row_block = kBlockM == 128 ? consumer : 0, column_block = kHeadDim == 128 ? consumer : 0;
+      const uint32_t ds_block = smem_u32(ds_tile) + row_block * kBlockN * 128;
+      const uint32_t k_block = k_tile + column_block * kBlockN * 128;
       wgmma_fence();
 #pragma unroll
-      for (int mb = 0; mb < kQueryBlocks; ++mb)
-#pragma unroll
-        for (int ks = 0; ks < kDqKeys / 16; ++ks)
-          Wgmma<T, 64>::template ss<1, 1>(dq[mb], mn_major_desc(ds_keys + mb * kBlockN * 128 + ks * 2048, kBlockN * 128),
-                                          mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<T, 64>::template ss<1, 1>(dq, mn_major_desc(ds_block + ks * 2048, kBlockN * 128),
+                                        mn_major_desc(k_block + ks * 2048, kBlockN * 128), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
       keep(dk);
       keep(dv);
       keep(pa);
       keep(da);
-#pragma unroll
-      for (int mb = 0; mb < kQueryBlocks; ++mb) keep(dq[mb]);
+      keep(dq);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
 
-#pragma unroll
-      for (int mb = 0; mb < kQueryBlocks; ++mb)
-        add_dq(p, b, h, seq.row_q + q0 + mb * 64, rows - mb * 64, kSplitColumns ? consumer * 64 : 0, warp, lane, dq[mb]);
+      add_dq(p, b, h, seq.row_q + q0 + row_block * 64, rows - row_block * 64, column_block * 64, warp, lane, dq);
     }
     write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
   }
