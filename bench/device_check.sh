@@ -141,6 +141,16 @@ fi
 
 # ---- test --------------------------------------------------------------------------------------
 if wants test; then
+  # The sm_90a wrappers (wgmma, TMA) against a host reference, on an sm_90 GPU.
+  if [[ $($PYTHON -c "import torch; print(torch.cuda.get_device_capability())" 2>/dev/null) == "(9, 0)" ]]; then
+    banner "test: tests/cuda/sm90_primitives_test.cu"
+    if nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Isrc tests/cuda/sm90_primitives_test.cu \
+        -o /tmp/ringflash_sm90_primitives && /tmp/ringflash_sm90_primitives; then
+      record sm90-primitives ok ""
+    else
+      record sm90-primitives FAILED "see the test stage's output"
+    fi
+  fi
   banner "test: pytest tests/python/test_cuda.py $PYTEST_ARGS"
   parallel=()
   threads=()

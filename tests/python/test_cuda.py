@@ -80,6 +80,14 @@ def test_support_names_the_kernels():
     if support.supported:  # head dim 256 is built
         expected = "sm80 (the sm_90a kernels do not run this case: they take head dims up to 128, got 256)"
         assert support.kernels == (expected if hopper else "sm80")
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32, device=DEVICE)
+    packed = ringflash.attention_support(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu).kernels
+    expected = "sm80 (the sm_90a kernels do not run this case: they take padded batches only)"
+    assert packed == (expected if hopper else "sm80")
+    assert ringflash.attention_support(q, k, v, deterministic=True).kernels == (
+        "sm90 forward, sm80 backward (the deterministic backward is the sm_80 one)" if hopper else "sm80")
+    if hopper:
+        assert kernels == "sm90"
 
 
 def on_cuda(fn):

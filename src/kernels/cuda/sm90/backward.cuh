@@ -17,8 +17,7 @@
 //     consumers' dS^T (a named barrier of the two), and every element gets one atomic per item.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //
-// Packed batches: the last tiles of a sequence may hold rows of the next one; the mask hides them
-// (P and dS are exactly 0 there), and rows past the sequence are never written.
+// Padded batches only, as the forward.
 #pragma once
 
 #include <cuda.h>
@@ -113,18 +112,17 @@ struct Backward {
         }
       }
       if (tid == 0 && items.count > 0) {
-        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
-        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
-        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
+        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, b);
+        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, b);
         for (int i = 0; i < items.count; ++i) {
           const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int h = items.head(i);
           const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
           mbarrier_arrive_expect(&full[stage], 2 * kQBytes);
-          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
-          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
+          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, b);
+          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, b);
         }
       }
     } else {

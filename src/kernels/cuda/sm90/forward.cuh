@@ -14,9 +14,8 @@
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
 //     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
-// Packed batches: a TMA box does not stop at a sequence's end, so the last key tile of a sequence
-// may hold rows of the next one. The mask hides them (P is exactly 0 there); Q rows past the end
-// are computed and not written.
+// Padded batches only (the dispatch keeps packed ones on the sm_80 kernels): rows past a sequence
+// are past the tensor map's rows and read as zeros.
 #pragma once
 
 #include <cuda.h>
@@ -27,8 +26,8 @@
 namespace ringflash::cuda::sm90 {
 
 // q, k and v as 4-D tensor maps (head dim, heads, rows, batch), 128-byte swizzle, boxes of 64
-// columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the tensor
-// read as 0. A packed batch is one sequence of the maps (batch 1).
+// columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the
+// sequence read as 0.
 struct Maps {
   CUtensorMap q, k, v;
 };
@@ -100,17 +99,16 @@ struct Forward {
       setmaxnreg_dec<kProducerRegs>();
       if (tid == 0 && tiles > 0) {
         const int hk = h / p.group;
-        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&q_full, kQBytes);
-        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
+        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, b);
         for (int64_t i = 0; i < tiles; ++i) {
           const int stage = static_cast<int>(i % kStages);
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
+          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, b);
           mbarrier_arrive_expect(&v_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
+          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, b);
         }
       }
     } else {
