@@ -284,15 +284,19 @@ void attention_backward(const AttentionArgs& args) {
   const int64_t total_rows = packed ? args.rows_q : args.batch * args.rows_q;
   // Each array starts at a 128-byte boundary: the conversion pass reads dq_accum in 16-byte vectors.
   constexpr int64_t kAlignFloats = 32;
-  const int64_t stat_elements = (total_rows * args.heads_q + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
+  // Each (sequence, head) has stat_rows entries, a multiple of 4: the sm_90a backward reads them by
+  // TMA, whose copies start at 16-byte boundaries.
+  const int64_t stat_rows = (args.rows_q + 3) / 4 * 4;
+  const int64_t stat_elements =
+      ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
   const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
   const Scratch workspace(device, workspace_bytes, args.stream);
   p.dsum = static_cast<float*>(workspace.data);
   p.lse2 = p.dsum + stat_elements;
-  p.stat_batch_stride = packed ? 0 : args.heads_q * args.rows_q;
-  p.stat_head_stride = args.rows_q;
+  p.stat_batch_stride = packed ? 0 : args.heads_q * stat_rows;
+  p.stat_head_stride = stat_rows;
   if (dq_buffer) {
     p.dq_accum = p.lse2 + stat_elements;
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;

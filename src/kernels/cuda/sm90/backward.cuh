@@ -4,9 +4,7 @@
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
 //     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q
-//     and dO into two stages by TMA on mbarriers; the next warp copies the rows' lse2 and dsum with cp.async, which
-//     arrives on the same mbarrier. (A TMA copy of them would have to start at a 16-byte boundary,
-//     and a packed sequence starts at any row.)
+//     and dO, and the rows' lse2 and dsum, into two stages by TMA on mbarriers.
 //   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
 //       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
@@ -29,9 +27,11 @@
 namespace ringflash::cuda::sm90 {
 
 // The backward's operands as tensor maps: q and dout with boxes of a query tile's rows, k and v of
-// 128.
+// 128; lse2 and dsum (the workspace's fp32 row statistics, a multiple of 4 rows per head and
+// sequence) as 2-D maps (rows, heads x sequences) with boxes of a query tile's rows. (A TMA copy
+// starts at a 16-byte boundary: a query tile's rows do, padded batches only.)
 struct BackwardMaps {
-  CUtensorMap q, dout, k, v;
+  CUtensorMap q, dout, k, v, lse2, dsum;
 };
 
 template <typename T, int kHeadDim>
@@ -44,6 +44,7 @@ struct Backward {
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kStatBytes = kBlockM * 4;
   // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
   static constexpr int kSBytes = kBlockN * kBlockM * 2;
   // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
@@ -64,7 +65,7 @@ struct Backward {
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;  // two tiles
-    __shared__ float stats[kStages][2][kBlockM];  // lse2, dsum
+    __shared__ __align__(128) float stats[kStages][2][kBlockM];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
@@ -86,7 +87,7 @@ struct Backward {
     if (tid == 0) {
       mbarrier_init(&kv_full, 1);
       for (int s = 0; s < kStages; ++s) {
-        mbarrier_init(&full[s], 1 + 32);  // the TMA copies' thread and the statistics' warp
+        mbarrier_init(&full[s], 1);
         mbarrier_init(&empty[s], kConsumerWarps);
       }
       fence_barrier_init();
@@ -95,22 +96,6 @@ struct Backward {
 
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
-      if (tid / 32 == 1 && items.count > 0) {
-        // lse2 and dsum of each item's rows (0 past the sequence: the mask hides those rows).
-        for (int i = 0; i < items.count; ++i) {
-          const int stage = i % kStages;
-          if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
-          const int64_t q0 = items.query_tile(i) * int64_t{kBlockM};
-          const int rows = tile_rows(seq.len_q, q0, kBlockM);
-#pragma unroll
-          for (int r = lane; r < kBlockM; r += 32) {
-            const int64_t at = p.stat_index(b, items.head(i), seq.row_q + q0 + (r < rows ? r : 0));
-            cp_async_4(smem_u32(&stats[stage][0][r]), p.lse2 + at, r < rows);
-            cp_async_4(smem_u32(&stats[stage][1][r]), p.dsum + at, r < rows);
-          }
-          cp_async_mbarrier_arrive(&full[stage]);
-        }
-      }
       if (tid == 0 && items.count > 0) {
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
         load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, b);
@@ -120,9 +105,13 @@ struct Backward {
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int h = items.head(i);
           const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
-          mbarrier_arrive_expect(&full[stage], 2 * kQBytes);
+          mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
           load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, b);
           load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, b);
+          // Rows past the sequence read as 0: the mask hides them.
+          const int stat_column = static_cast<int>(b * a.heads_q + h);
+          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], static_cast<int>(row), stat_column);
+          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], static_cast<int>(row), stat_column);
         }
       }
     } else {

@@ -56,6 +56,22 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   return map;
 }
 
+// A row statistic of the backward's workspace (fp32, row i of column c at data[c * rows + i]) as a
+// 2-D map (rows, columns) with boxes of box_rows x 1; rows must be a multiple of 4 (16-byte strides).
+inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, int box_rows) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(columns)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(rows) * sizeof(float)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[2] = {1, 1};
+  CUtensorMap map{};
+  const CUresult rc = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(data), dims, strides,
+                                     box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused a row statistic (error ",
+                  static_cast<int>(rc), "; ", rows, " rows)");
+  return map;
+}
+
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
@@ -84,7 +100,9 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
                             operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
                             operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
-                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN)};
+                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
+                            stat_map(p.lse2, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM),
+                            stat_map(p.dsum, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM)};
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });

@@ -275,10 +275,14 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* map, uint64_t
       : "memory");
 }
 
-// An arrival on `bar` once every cp.async this thread has issued has landed; counted in the
-// barrier's arrivals at init (.noinc).
-__device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+// A 2-D tile of `map` at (c0 innermost, c1) into shared memory at `dst`, completing on `bar`. The
+// tile's first element must lie at a 16-byte boundary.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
 }
 
 // Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, whole warps.
