@@ -32,6 +32,7 @@ class Validator {
     check_positions();
     check_alibi();
     fill_operands();
+    args_.device = q_.device().type == DeviceType::kCUDA ? q_.device().index : -1;
     return args_;
   }
 

@@ -17,6 +17,7 @@ struct AttentionArgs {
   DType grad_dtype = DType::kFloat32;  // of dq, dk, dv
   bool accumulate = false;             // forward merges into out/lse; backward adds into dq/dk/dv
   bool deterministic = false;          // backward: bit-identical results run to run
+  int device = -1;                     // the CUDA device of the tensors, -1 on the CPU
 
   int64_t batch = 0;        // number of sequences
   int64_t seqlen_q = 0;     // padded: every sequence's length; packed: the longest

@@ -133,17 +133,8 @@ bool aligned(const AttentionArgs::Operand& o, int element_bytes) {
 
 int bytes_of(DType t) { return t == DType::kFloat32 ? 4 : 2; }
 
-int device_of(const void* p) {
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky-free error this leaves
-    return -1;
-  }
-  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged ? attributes.device : -1;
-}
-
 // Why the kernels cannot run this case ("" when they can); otherwise the kernels that run it and
-// the device that q lives on (-1 when q is empty).
+// the tensors' device.
 std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* device_out) {
   if (!is_available()) return "no CUDA device is present";
   if (a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16)
@@ -156,7 +147,9 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
     return str_cat("head_dim ", a.head_dim, " needs the head-dim ", instance_head_dim(a.head_dim),
                    " CUDA kernels, which this build leaves out (built: ", built_head_dims(), ")");
   if (backward && !k.backward) return "this build has no CUDA backward kernels (RINGFLASH_DISABLE_BACKWARD)";
-  const int device = a.q.data ? device_of(a.q.data) : -1;
+  // The tensors' device, not a pointer query: memory that a CUDA graph allocates during capture
+  // has no attributes until the graph runs.
+  const int device = a.device;
   if (device >= 0) {
     int major = 0;
     RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -242,7 +235,7 @@ std::string unsupported_reason(const AttentionArgs& args) {
 
 std::string kernels_used(const AttentionArgs& args) {
 #ifdef RINGFLASH_SM90
-  if (!hopper_device(args.q.data ? device_of(args.q.data) : -1)) return "sm80";
+  if (!hopper_device(args.device)) return "sm80";
   const std::string forward = hopper_gap(args, false), backward = hopper_gap(args, true);
   if (!forward.empty()) return "sm80 (the sm_90a kernels do not run this case: " + forward + ")";
   if (!backward.empty()) return "sm90 forward, sm80 backward (" + backward + ")";
