@@ -242,10 +242,8 @@ struct Backward {
 
     const core::Mask mask = p.mask();
     const int64_t pk0 = seq.pos_k + n0;
-    int64_t first, last;
-    mask.query_span(pk0, pk0 + valid_n, seq.pos_q, seq.pos_q + seq.len_q, &first, &last);
-    const int m_begin = static_cast<int>((first - seq.pos_q) / kBlockM);
-    const int m_end = last > first ? static_cast<int>((last - seq.pos_q + kBlockM - 1) / kBlockM) : m_begin;
+    int m_begin, m_end;
+    query_tiles<kBlockM>(mask, seq, n0, valid_n, &m_begin, &m_end);
     const int h_end = (hk + 1) * p.group;
 
     const T* k = row_ptr<const T>(a.k, b, seq.row_k + n0, hk);

@@ -40,6 +40,17 @@ __device__ __forceinline__ void key_tiles(const core::Mask& mask, const core::Se
   *end = last > first ? (last - s.pos_k + kBlockN - 1) / kBlockN : *begin;
 }
 
+// The query tiles [*begin, *end) of sequence `s` that see any of keys [n0, n0 + keys); tiles start
+// at the sequence's first query.
+template <int kBlockM>
+__device__ __forceinline__ void query_tiles(const core::Mask& mask, const core::Sequence& s, int64_t n0, int keys,
+                                            int* begin, int* end) {
+  int64_t first, last;
+  mask.query_span(s.pos_k + n0, s.pos_k + n0 + keys, s.pos_q, s.pos_q + s.len_q, &first, &last);
+  *begin = static_cast<int>((first - s.pos_q) / kBlockM);
+  *end = last > first ? static_cast<int>((last - s.pos_q + kBlockM - 1) / kBlockM) : *begin;
+}
+
 // Scores of one key tile, for the rows a warp owns: scale, softcap, ALiBi, then the mask where
 // the tile is only partly visible (or runs past the sequence's last key). Element (mt, nt, i) is
 // row row0 + 16 mt + lane / 4 + 8 (i / 2) and column 8 nt + 2 (lane % 4) + i % 2.

@@ -76,10 +76,8 @@ struct Backward {
     if (n0 >= seq.len_k) return;
     const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
     const core::Mask mask = p.mask();
-    int64_t first, last;
-    mask.query_span(seq.pos_k + n0, seq.pos_k + n0 + valid_n, seq.pos_q, seq.pos_q + seq.len_q, &first, &last);
-    const int m_begin = static_cast<int>((first - seq.pos_q) / kBlockM);
-    const int m_end = last > first ? static_cast<int>((last - seq.pos_q + kBlockM - 1) / kBlockM) : m_begin;
+    int m_begin, m_end;
+    query_tiles<kBlockM>(mask, seq, n0, valid_n, &m_begin, &m_end);
     // Items: query tiles [m_begin, m_end) of each q head of the group in turn.
     const Items items{hk * p.group, m_begin, m_end - m_begin, p.group * (m_end - m_begin)};
     const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
