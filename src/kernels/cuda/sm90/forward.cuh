@@ -30,6 +30,7 @@ namespace ringflash::cuda::sm90 {
 // sequence read as 0.
 struct Maps {
   CUtensorMap q, k, v;
+  int pingpong;  // experiment
 };
 
 // Loads rows [row, row + kRows) of head h, sequence b of a (kHeadDim-column) operand into
@@ -114,7 +115,7 @@ struct Forward {
     } else {
       setmaxnreg_inc<kConsumerRegs>();
       consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, empty, group - 1,
-              lane);
+              lane, maps.pingpong != 0);
     }
   }
 
@@ -122,7 +123,7 @@ struct Forward {
                                                  int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
                                                  int64_t tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
-                                                 uint64_t (&empty)[kStages], int consumer, int lane) {
+                                                 uint64_t (&empty)[kStages], int consumer, int lane, bool pingpong) {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
@@ -171,12 +172,24 @@ struct Forward {
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[ps], s[0][2 * ps], s[0][2 * ps + 1]);
     };
+    // Ping-pong: the consumers issue their products in turn (named barriers 1 and 2), so that one's
+    // softmax runs while the tensor cores work through the other's products. Consumer 0 goes first;
+    // consumer 1 hands the turn back after each issue but its last.
+    const auto my_turn = [&] {
+      if (pingpong) named_barrier_sync(1 + consumer, 256);
+    };
+    const auto pass_turn = [&](bool last) {
+      if (pingpong && !(consumer == 1 && last)) named_barrier_arrive(2 - consumer, 256);
+    };
+    if (pingpong && consumer == 1 && tiles > 0) named_barrier_arrive(1, 256);
 
     if (tiles > 0) {
       mbarrier_wait(&q_full, 0);
       mbarrier_wait(&k_full[0], 0);
+      my_turn();
       wgmma_fence();
       issue_qk(0);
+      pass_turn(false);
       wgmma_wait<0>();
       keep(s_flat);
       float correction[1][2];
@@ -188,9 +201,11 @@ struct Forward {
       mbarrier_wait(&v_full[stage_of(i - 1)], phase_of(i - 1));
       keep(o_flat);
       keep(pa);
+      my_turn();
       wgmma_fence();
       issue_qk(i);
       issue_pv(i - 1);
+      pass_turn(false);
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
       float correction[1][2];
@@ -206,8 +221,10 @@ struct Forward {
       mbarrier_wait(&v_full[stage_of(tiles - 1)], phase_of(tiles - 1));
       keep(o_flat);
       keep(pa);
+      my_turn();
       wgmma_fence();
       issue_pv(tiles - 1);
+      pass_turn(true);
       wgmma_wait<0>();
       keep(o_flat);
     }
