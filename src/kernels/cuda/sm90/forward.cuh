@@ -9,8 +9,9 @@
 //     elements, as TMA writes them); O += P V is wgmma with P in registers and V read MN-major.
 //   - A consumer overlaps the softmax of key tile i with the P V product of tile i - 1: it issues
 //     S(i) and O += P(i - 1) V(i - 1), waits for S(i) alone, computes P(i) while the tensor cores
-//     run P V, then waits for that, frees the stage of tile i - 1 and rescales O. The two consumers
-//     never wait for each other, so one's softmax also runs under the other's products.
+//     run P V, then waits for that, frees the stage of tile i - 1 and rescales O.
+//   - Ping-pong: the two consumers issue their products in turn (named barriers 1 and 2), so that
+//     one's softmax runs while the tensor cores work through the other's products.
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
 //     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
@@ -30,7 +31,6 @@ namespace ringflash::cuda::sm90 {
 // sequence read as 0.
 struct Maps {
   CUtensorMap q, k, v;
-  int pingpong;  // experiment
 };
 
 // Loads rows [row, row + kRows) of head h, sequence b of a (kHeadDim-column) operand into
@@ -115,7 +115,7 @@ struct Forward {
     } else {
       setmaxnreg_inc<kConsumerRegs>();
       consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, empty, group - 1,
-              lane, maps.pingpong != 0);
+              lane);
     }
   }
 
@@ -123,7 +123,7 @@ struct Forward {
                                                  int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
                                                  int64_t tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
-                                                 uint64_t (&empty)[kStages], int consumer, int lane, bool pingpong) {
+                                                 uint64_t (&empty)[kStages], int consumer, int lane) {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
@@ -175,13 +175,11 @@ struct Forward {
     // Ping-pong: the consumers issue their products in turn (named barriers 1 and 2), so that one's
     // softmax runs while the tensor cores work through the other's products. Consumer 0 goes first;
     // consumer 1 hands the turn back after each issue but its last.
-    const auto my_turn = [&] {
-      if (pingpong) named_barrier_sync(1 + consumer, 256);
-    };
+    const auto my_turn = [&] { named_barrier_sync(1 + consumer, 256); };
     const auto pass_turn = [&](bool last) {
-      if (pingpong && !(consumer == 1 && last)) named_barrier_arrive(2 - consumer, 256);
+      if (!(consumer == 1 && last)) named_barrier_arrive(2 - consumer, 256);
     };
-    if (pingpong && consumer == 1 && tiles > 0) named_barrier_arrive(1, 256);
+    if (consumer == 1 && tiles > 0) named_barrier_arrive(1, 256);
 
     if (tiles > 0) {
       mbarrier_wait(&q_full, 0);

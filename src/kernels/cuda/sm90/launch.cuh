@@ -5,7 +5,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "../check.h"
@@ -80,8 +79,7 @@ void run_forward(const Params& p, cudaStream_t stream) {
   allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
   const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
-                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
-                  std::getenv("RINGFLASH_PINGPONG") != nullptr};
+                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
