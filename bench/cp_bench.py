@@ -85,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--heads-kv", type=int_list, default=[32, 8], help="K/V heads, one row set each")
     p.add_argument("--hdim", type=int, default=128)
-    p.add_argument("--passes", type=name_list, default=list(PASSES), help="fwd, fwd_bwd or both")
+    p.add_argument("--passes", type=name_list, default=list(PASSES), help="comma-separated, from fwd and fwd_bwd (default both)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="warm-up calls before each timed loop (the peer's 3)")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed calls; the median is reported (the peer's 10)")
     p.add_argument("--sets", type=int, default=2, help="input copies to rotate over (1: no rotation)")
