@@ -7,17 +7,14 @@
 // dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
 // after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
 // to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
-// step s computes. The last hop has no step left to hide behind, so the last step computes its
-// block in parts of key rows and sends each part home as soon as it is done: only the last part's
-// transfer is left exposed. With a window, the ring stops after the last step any rank needs, so
-// farther transfers never happen.
+// step s computes. With a window, the ring stops after the last step any rank needs, so farther
+// transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)
 // and every sequence is a group of its own.
 #include <algorithm>
 #include <cstddef>
-#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -186,29 +183,6 @@ int ring_steps(const Geometry& g, const Band& band, const AttentionParams& base)
   return last + 1;
 }
 
-// Key rows [begin, end) of a step's block.
-struct KeyRange {
-  int64_t begin = 0, end = std::numeric_limits<int64_t>::max();
-};
-
-// The parts of a block of `rows` key rows that the last hop sends one by one, as the last step
-// computes them. A part of fp32 dK/dV is about kHopPartBytes or more, at most kMaxHopParts of them,
-// and starts at a multiple of 128 rows (the kernels' key tiles) when a part is longer than that.
-// RINGFLASH_RING_HOP_PARTS=n sets the number of parts instead (1: the hop in one piece).
-constexpr size_t kHopPartBytes = size_t{32} << 20;
-constexpr int64_t kMaxHopParts = 4;
-
-std::vector<KeyRange> hop_parts(int64_t rows, size_t bytes) {
-  int64_t parts = std::clamp<int64_t>(static_cast<int64_t>(bytes / kHopPartBytes), 1, kMaxHopParts);
-  if (const char* v = std::getenv("RINGFLASH_RING_HOP_PARTS")) parts = std::max<int64_t>(1, std::atoll(v));
-  int64_t size = std::max<int64_t>(1, ceil_div(rows, parts));
-  if (size > 128) size = ceil_div(size, 128) * 128;
-  std::vector<KeyRange> ranges;
-  for (int64_t begin = 0; begin < rows; begin += size) ranges.push_back({begin, std::min(rows, begin + size)});
-  if (ranges.empty()) ranges.push_back({0, 0});  // an empty block still makes its (empty) hop
-  return ranges;
-}
-
 // ---- the ring -----------------------------------------------------------------------------
 
 // One rank's K and V, (B, rows, Hkv, D) each.
@@ -285,12 +259,6 @@ class Ring {
 
     prepare_travel();
     std::unique_ptr<CommRequest> grads_in;
-    // The last hop, part by part: the partial held after the last step goes to its home, and this
-    // rank's own arrives from rank (r + steps - 1) mod P into `arrived`.
-    const int last = steps_ - 1, home = source(last), from = (rank_ + last) % world_;
-    unsigned char* arrived = partial[steps_ % 2];
-    std::vector<std::unique_ptr<CommRequest>> hop;
-    const std::vector<KeyRange> arriving = hop_parts(geo_.rows[rank_], grad_bytes_of(rank_));
     for (int s = 0; s < steps_; ++s) {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
@@ -298,33 +266,23 @@ class Ring {
       unsigned char* carried = partial[s % 2];
       unsigned char* target = s == 0 ? own : s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
-      // `own` and the partial of step 1 start at zero, reached by a pair or not; a later step's
-      // block is zeroed when a pair first reaches it, and only its parts that a pair reached are
-      // added to the partial arriving from the previous rank.
-      bool zeroed = s < 2;
-      if (zeroed) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
-      const std::vector<KeyRange> parts =
-          s > 0 && s == last ? hop_parts(geo_.rows[src], grad_bytes_of(src)) : std::vector<KeyRange>{KeyRange{}};
-      for (size_t i = 0; i < parts.size(); ++i) {
-        bool computed = false;
-        for_each_call(src, parts[i], [&](const Block& q, const Block& k, const AttentionParams& params) {
-          if (!zeroed) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
-          zeroed = computed = true;
-          attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
-                             rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
-        });
-        if (s > 1) {
-          if (i == 0) grads_in->wait();
-          if (computed) {
-            const KeyValues sum = grad_views(carried, src);
-            kernels::add(key_rows(grads.k, parts[i]), key_rows(sum.k, parts[i]), stream_);
-            kernels::add(key_rows(grads.v, parts[i]), key_rows(sum.v, parts[i]), stream_);
-          }
+      bool computed = false;
+      for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
+        if (!computed) {
+          kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+          computed = true;
         }
-        if (s > 0 && s == last) hop.push_back(hop_part(home, carried, parts[i], from, arrived, arriving, i));
+        attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
+                           rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
+      });
+      // A block that no pair reached holds zeros: `own` and the partial of step 1 are filled here,
+      // a later step's block is simply not added.
+      if (!computed && s < 2) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+      if (s > 1) {
+        grads_in->wait();
+        const int64_t n = 2 * rows_elements(src);
+        if (computed) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
-      for (size_t i = parts.size(); s > 0 && s == last && i < arriving.size(); ++i)
-        hop.push_back(hop_part(home, carried, KeyRange{0, 0}, from, arrived, arriving, i));
       if (s > 0 && s + 1 < steps_) {
         const int64_t next_src = source(s + 1);
         grads_in = comm_.send_recv(transfer(next(), carried, 2 * rows_elements(src) * sizeof(float), prev(),
@@ -333,11 +291,17 @@ class Ring {
       if (kv_in) kv_in->wait();
     }
 
-    // dK and dV: this rank's own plus the partial that arrived, summed and rounded in one pass.
+    // dK and dV: this rank's own plus the partial that arrives, summed and rounded in one pass. The
+    // partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
+    // rank's own arrives from rank (r + steps - 1) mod P.
     const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
     const KeyValues mine = grad_views(own, rank_);
     if (steps_ > 1) {
-      for (const auto& part : hop) part->wait();
+      const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
+      unsigned char* arrived = partial[steps_ % 2];
+      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float), from,
+                               arrived, 2 * rows_elements(rank_) * sizeof(float)))
+          ->wait();
       const KeyValues others = grad_views(arrived, rank_);
       kernels::add(mine.k, others.k, dk, stream_);
       kernels::add(mine.v, others.v, dv, stream_);
@@ -355,49 +319,13 @@ class Ring {
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
   int64_t rows_elements(int rank) const { return geo_.batch * geo_.rows[rank] * p_.heads_kv * p_.head_dim; }
-  // Bytes of the fp32 dK and dV of `rank`'s rows.
-  size_t grad_bytes_of(int rank) const { return static_cast<size_t>(2 * rows_elements(rank)) * sizeof(float); }
-
-  // Part i of the last hop: key rows `send` of the partial `carried` (of block `home`) to `home`,
-  // and part i of `arriving` (this rank's block) from `from` into `arrived`. dK and dV go as one
-  // message each per batch entry; empty parts send nothing.
-  std::unique_ptr<CommRequest> hop_part(int home, unsigned char* carried, const KeyRange& send, int from,
-                                        unsigned char* arrived, const std::vector<KeyRange>& arriving, size_t i) {
-    std::vector<P2POp> ops;
-    const auto messages = [&](unsigned char* data, int rank, const KeyRange& r, bool out) {
-      const KeyValues g = grad_views(data, rank);
-      const int64_t n = std::min(r.end, geo_.rows[rank]) - r.begin;
-      if (n <= 0) return;
-      for (const TensorView& t : {g.k, g.v})
-        for (int64_t b = 0; b < geo_.batch; ++b) {
-          void* at = narrow(narrow(t, 0, b, 1), 1, r.begin, n).data();
-          const size_t bytes = static_cast<size_t>(n * p_.heads_kv * p_.head_dim) * sizeof(float);
-          ops.push_back(out ? send_op(home, at, bytes) : recv_op(from, at, bytes));
-        }
-    };
-    messages(carried, home, send, true);
-    if (i < arriving.size()) messages(arrived, rank_, arriving[i], false);
-    return comm_.send_recv(ops);
-  }
 
   // Calls fn(query block, key block, kernel params) for the kernel calls of a step against `src`'s
   // K/V: per group, one call over every pair of this rank's query pieces and `src`'s key pieces
   // that the mask does not leave empty when one call sees what they see (zigzag's steps always),
   // else one call per pair. Fewer, larger calls leave the GPU idle less at their ends.
-  // Only key rows in `keys` are visited: a call's key block is cut to them, its positions moved
-  // with it, and a call left with no key is not made.
   template <typename Fn>
   void for_each_call(int src, Fn&& fn) const {
-    for_each_call(src, KeyRange{}, std::forward<Fn>(fn));
-  }
-  template <typename Fn>
-  void for_each_call(int src, const KeyRange& keys, Fn&& fn) const {
-    const auto call = [&](const Block& q, const Block& k, AttentionParams params) {
-      const int64_t begin = std::max(k.row, keys.begin), end = std::min(k.row + k.count, keys.end);
-      if (begin >= end) return;
-      params.k_offset += begin - k.row;
-      fn(q, Block{begin, end - begin}, params);
-    };
     for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
       const std::vector<Run>& qs = geo_.runs[rank_][group];
@@ -419,10 +347,10 @@ class Ring {
         AttentionParams params = base;
         params.q_offset = qs[qa].piece.start;
         params.k_offset = ks[ka].piece.start;
-        call(block_of(qs, qa, qb), block_of(ks, ka, kb), params);
+        fn(block_of(qs, qa, qb), block_of(ks, ka, kb), params);
         continue;
       }
-      for (const Pair& pair : pairs) call(block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params);
+      for (const Pair& pair : pairs) fn(block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params);
     }
   }
 
@@ -441,9 +369,6 @@ class Ring {
   }
 
   static TensorView rows(const TensorView& t, const Block& b) { return narrow(t, 1, b.row, b.count); }
-  static TensorView key_rows(const TensorView& t, const KeyRange& r) {
-    return narrow(t, 1, r.begin, std::min(r.end, t.size(1)) - r.begin);
-  }
   static TensorView lse_rows(const TensorView& lse, const Block& b) { return narrow(lse, 2, b.row, b.count); }
 
   // Room in the workspace for the K/V in flight, and for a contiguous copy of this rank's K/V when

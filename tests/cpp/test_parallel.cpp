@@ -343,46 +343,6 @@ INSTANTIATE_TEST_SUITE_P(Matrix, Strategies, ::testing::ValuesIn(matrix_cases())
 INSTANTIATE_TEST_SUITE_P(Shapes, Strategies, ::testing::ValuesIn(shape_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(SlidingWindow, Strategies, ::testing::ValuesIn(sliding_window_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(Options, Strategies, ::testing::ValuesIn(option_cases()), case_name);
-
-// The last hop of the ring's backward in parts (RINGFLASH_RING_HOP_PARTS; a real run splits only
-// partials of 32 MiB or more): 3 parts, and 64, more than a shard has rows (one row a part, and
-// ranks with uneven shards send and receive different numbers of parts).
-class HopInParts : public ::testing::TestWithParam<std::pair<ParallelCase, int>> {
- protected:
-  void SetUp() override { setenv("RINGFLASH_RING_HOP_PARTS", std::to_string(GetParam().second).c_str(), 1); }
-  void TearDown() override { unsetenv("RINGFLASH_RING_HOP_PARTS"); }
-};
-
-std::vector<std::pair<ParallelCase, int>> hop_cases() {
-  std::vector<std::pair<ParallelCase, int>> cases;
-  for (int parts : {3, 64})
-    for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag, Strategy::kStripe})
-      for (MaskKind mask : {MaskKind::kCausal, MaskKind::kNone, MaskKind::kWindow})
-        for (int world : {2, 3, 8}) cases.push_back({make_case(strategy, true, mask, 8, 2, world), parts});
-  for (int parts : {3, 64})
-    for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag}) {
-      ParallelCase c = make_case(strategy, true, MaskKind::kCausal, 4, 2, 3);
-      c.docs = packed_docs();
-      cases.push_back({c, parts});
-    }
-  return cases;
-}
-
-TEST_P(HopInParts, MatchReference) {
-  const ParallelCase& c = GetParam().first;
-  if (mpi_size() > 0) {
-    if (c.world != mpi_size()) GTEST_SKIP() << "world size " << c.world << ", the MPI job has " << mpi_size();
-    const std::unique_ptr<Communicator> work = fresh_mpi_world(), verdict = fresh_mpi_world();
-    run_parallel_case(*work, c, verdict.get());
-  } else {
-    run_inproc_case(c);
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Ring, HopInParts, ::testing::ValuesIn(hop_cases()),
-                         [](const ::testing::TestParamInfo<std::pair<ParallelCase, int>>& info) {
-                           return info.param.first.name() + "_parts" + std::to_string(info.param.second);
-                         });
 INSTANTIATE_TEST_SUITE_P(HybridFactorisations, Strategies, ::testing::ValuesIn(hybrid_cases()), case_name);
 
 // ---- bad input on some ranks: the same error on every rank, no hang -------------------------
@@ -664,20 +624,14 @@ TEST(ParallelTransfers, WindowSkipsFartherSteps) {
 // Backward moves the K/V as forward does, and dK/dV partials as far: P - 1 hops, since a block's
 // partial starts on the rank after its home and its last hop lands at home. (The cross-rank
 // validation of a call sends the same bytes in both directions.)
-// The last hop in parts sends the same bytes.
 TEST(ParallelTransfers, BackwardPartialsTravelAsFarAsTheKeyValues) {
   SKIP_UNDER_MPI();
-  for (const char* parts : {"1", "3", "64"}) {
-    setenv("RINGFLASH_RING_HOP_PARTS", parts, 1);
-    for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag, Strategy::kStripe}) {
-      const uint64_t forward = bytes_sent(strategy, false, MaskKind::kCausal);
-      const uint64_t backward = bytes_sent(strategy, true, MaskKind::kCausal);
-      EXPECT_EQ(backward - forward, 3 * 2 * kBlockBytes)
-          << strategy_name(strategy) << " (" << parts << " parts): forward " << forward << " bytes, backward "
-          << backward;
-    }
+  for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag, Strategy::kStripe}) {
+    const uint64_t forward = bytes_sent(strategy, false, MaskKind::kCausal);
+    const uint64_t backward = bytes_sent(strategy, true, MaskKind::kCausal);
+    EXPECT_EQ(backward - forward, 3 * 2 * kBlockBytes)
+        << strategy_name(strategy) << ": forward " << forward << " bytes, backward " << backward;
   }
-  unsetenv("RINGFLASH_RING_HOP_PARTS");
 }
 
 }  // namespace
