@@ -51,17 +51,19 @@ __device__ __forceinline__ uint64_t k_step_desc(uint32_t tile, int block_rows, i
 
 template <typename T, int kHeadDim>
 struct Forward {
-  static constexpr int kBlockM = 128, kBlockN = 128;
+  // Head dim 256: key tiles of 64 (O alone takes 128 of a consumer's registers) in two stages
+  // (shared memory: Q 64 KB, a stage of K and V 64 KB).
+  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128;
   // A stage is freed when P V of its tile is done, one tile after its Q K^T: with three, the load
   // of tile i + 2 runs during all of tile i + 1 (with two it would wait at every tile).
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
   static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole column blocks; O within the consumers' registers");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
   static __device__ void run(const Params& p, const Maps& maps) {
