@@ -56,6 +56,29 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   return map;
 }
 
+// The backward's fp32 dQ accumulator (Params::dq_accum and its strides) as a 4-D map (head dim,
+// heads, rows, batch) with boxes of 32 columns x 1 head x box_rows rows, 128-byte swizzle: the
+// destination of the TMA reduce-adds. Rows and columns past the tensor are not written.
+inline CUtensorMap dq_map(const Params& p, int box_rows) {
+  const core::AttentionArgs& a = p.a;
+  const auto bytes = [](int64_t elements) { return static_cast<cuuint64_t>(elements) * sizeof(float); };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(a.head_dim), static_cast<cuuint64_t>(a.heads_q),
+                              static_cast<cuuint64_t>(a.rows_q), static_cast<cuuint64_t>(a.batch)};
+  const cuuint64_t strides[3] = {bytes(a.heads_q > 1 ? p.dq_accum_head_stride : a.head_dim),
+                                 bytes(p.dq_accum_row_stride),
+                                 bytes(a.batch > 1 ? p.dq_accum_batch_stride : a.rows_q * p.dq_accum_row_stride)};
+  const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult rc = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, dims, strides, box,
+                                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused the dQ accumulator (error ",
+                  static_cast<int>(rc), "; strides ", p.dq_accum_row_stride, "/", p.dq_accum_head_stride, "/",
+                  p.dq_accum_batch_stride, ")");
+  return map;
+}
+
 // A row statistic of the backward's workspace (fp32, row i of column c at data[c * rows + i]) as a
 // 2-D map (rows, columns) with boxes of box_rows x 1; rows must be a multiple of 4 (16-byte strides).
 inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, int box_rows) {
@@ -102,7 +125,8 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                             operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
                             operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
                             stat_map(p.lse2, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM),
-                            stat_map(p.dsum, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM)};
+                            stat_map(p.dsum, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM),
+                            dq_map(p, B::kBlockM)};
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });
