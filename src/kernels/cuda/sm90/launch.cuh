@@ -77,15 +77,17 @@ void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
   const core::AttentionArgs& a = p.a;
   allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
-  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
-                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
-                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
+  const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
+                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
+                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
     forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
+  clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -97,12 +99,13 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                     static_cast<unsigned>(a.batch));
     if (grid.x == 0) return;
     allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
-    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
-                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
-                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
-                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
-                            stat_map(p.lse2, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM),
-                            stat_map(p.dsum, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM)};
+    const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                            stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows)};
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });
