@@ -47,7 +47,9 @@ struct Backward {
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kStatRows = kBlockM + 4, kStatBytes = kStatRows * 4;
+  // The statistics' box: a query tile's rows plus 4; each in a slot of whole 128-byte lines (a TMA
+  // copy's destination is 128-byte aligned).
+  static constexpr int kStatRows = kBlockM + 4, kStatBytes = kStatRows * 4, kStatSlot = kBlockM + 32;
   // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
   static constexpr int kSBytes = kBlockN * kBlockM * 2;
   // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
@@ -68,7 +70,7 @@ struct Backward {
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;  // two tiles
-    __shared__ __align__(128) float stats[kStages][2][kStatRows];  // lse2, dsum
+    __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
@@ -134,7 +136,7 @@ struct Backward {
   static __device__ __forceinline__ void consume(const Params& p, int64_t b, int hk, const core::Sequence& seq,
                                                  int64_t n0, int valid_n, const core::Mask& mask, const Items& items,
                                                  T* sk, T* sv, T* sq, T* sdo, T* sds,
-                                                 float (&stats)[kStages][2][kStatRows], uint64_t& kv_full,
+                                                 float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
                                                  uint64_t (&full)[kStages], uint64_t (&empty)[kStages], int consumer,
                                                  int lane) {
     const core::AttentionArgs& a = p.a;
