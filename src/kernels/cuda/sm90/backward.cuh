@@ -15,7 +15,9 @@
 //     for each other, so one's softmax runs under the other's products.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //
-// Padded batches only, as the forward.
+// Packed batches, as in the forward: rows past a sequence in a tile are zeroed in shared memory
+// where a zero probability or dS would meet them in a product (K's rows for dQ = dS K, Q's and dO's
+// for dK and dV); the mask hides them in S^T and dP^T.
 #pragma once
 
 #include <cuda.h>
@@ -28,8 +30,9 @@ namespace ringflash::cuda::sm90 {
 
 // The backward's operands as tensor maps: q and dout with boxes of a query tile's rows, k and v of
 // 128; lse2 and dsum (the workspace's fp32 row statistics, a multiple of 4 rows per head and
-// sequence) as 2-D maps (rows, heads x sequences) with boxes of a query tile's rows. (A TMA copy
-// starts at a 16-byte boundary: a query tile's rows do, padded batches only.)
+// sequence) as 2-D maps (rows, heads x sequences) with boxes of a query tile's rows plus 4: a TMA
+// copy starts at a 16-byte boundary, so a tile's statistics are loaded from the multiple of 4 at
+// or before its first row (a packed sequence starts at any row).
 struct BackwardMaps {
   CUtensorMap q, dout, k, v, lse2, dsum;
   CUtensorMap dq;  // the fp32 accumulator (head dim, heads, rows, batch), boxes of 32 x 1 x kBlockM x 1
@@ -45,7 +48,9 @@ struct Backward {
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kStatBytes = kBlockM * 4;
+  // The statistics' box: a query tile's rows plus 4; each in a slot of whole 128-byte lines (a TMA
+  // copy's destination is 128-byte aligned).
+  static constexpr int kStatRows = kBlockM + 4, kStatBytes = kStatRows * 4, kStatSlot = kBlockM + 32;
   // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row); each consumer writes and
   // reads its own 64 keys' rows.
   static constexpr int kSBytes = kBlockN * kBlockM * 2;
@@ -68,7 +73,7 @@ struct Backward {
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;
     float* sdq = reinterpret_cast<float*>(sds + kBlockN * kBlockM);  // two parts
-    __shared__ __align__(128) float stats[kStages][2][kBlockM];  // lse2, dsum
+    __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
@@ -98,21 +103,24 @@ struct Backward {
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
       if (tid == 0 && items.count > 0) {
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
-        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, b);
-        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, b);
+        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
+        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
         for (int i = 0; i < items.count; ++i) {
           const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int h = items.head(i);
           const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
           mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
-          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, b);
-          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, b);
-          // Rows past the sequence read as 0: the mask hides them.
-          const int stat_column = static_cast<int>(b * a.heads_q + h);
-          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], static_cast<int>(row), stat_column);
-          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], static_cast<int>(row), stat_column);
+          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
+          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
+          // From the multiple of 4 at or before the tile's first row; the mask hides rows past the
+          // sequence.
+          const int stat_column = static_cast<int>(tb * a.heads_q + h);
+          const int stat_row = static_cast<int>(row & ~int64_t{3});
+          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], stat_row, stat_column);
+          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], stat_row, stat_column);
         }
       }
     } else {
@@ -132,7 +140,7 @@ struct Backward {
                                                  const core::Sequence& seq, int64_t n0, int valid_n,
                                                  const core::Mask& mask, const Items& items, T* sk, T* sv, T* sq,
                                                  T* sdo, T* sds, float* sdq,
-                                                 float (&stats)[kStages][2][kBlockM], uint64_t& kv_full,
+                                                 float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
                                                  uint64_t (&full)[kStages], uint64_t (&empty)[kStages], int consumer,
                                                  int lane) {
     const core::AttentionArgs& a = p.a;
@@ -148,7 +156,13 @@ struct Backward {
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
     const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
 
+    const bool packed = a.cu_seqlens_q != nullptr;
+    const int thread = threadIdx.x - 128;  // of the 256 consumer threads
     if (items.count > 0) mbarrier_wait(&kv_full, 0);
+    if (items.count > 0 && packed && valid_n < kBlockN) {  // K's rows past the sequence, for dQ = dS K
+      zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
+      named_barrier_sync(kZeroed, 256);
+    }
     for (int i = 0; i < items.count; ++i) {
       const int stage = i % kStages;
       const int h = items.head(i);
@@ -158,6 +172,11 @@ struct Backward {
       const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
       T* ds_tile = sds;
       mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
+      if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
+        zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
+        zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, thread, 256);
+        named_barrier_sync(kZeroed, 256);
+      }
 
       // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
       wgmma_fence();
@@ -178,8 +197,9 @@ struct Backward {
       // key0 + lane / 4 + 8 (e / 2), query 8 j + 2 (lane % 4) + e % 2.
       const ScoreTransform f = p.score_transform(b, h);
       const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
-      const float* lse2 = stats[stage][0];
-      const float* dsum = stats[stage][1];
+      const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
+      const float* lse2 = stats[stage][0] + shift;
+      const float* dsum = stats[stage][1] + shift;
       // The lane, opaque to the compiler in each item: otherwise it computes every element's
       // key and query offsets once, before the loop, and spills them.
       int item_lane = lane;
@@ -252,7 +272,7 @@ struct Backward {
 #pragma unroll
         for (int cb = 0; cb < kHeadDim / 32; ++cb)
           tma_reduce_add_4d(&maps.dq, sdq + cb * kBlockM * 32, cb * 32, h, static_cast<int>(seq.row_q + q0),
-                            static_cast<int>(b));
+                            packed ? 0 : static_cast<int>(b));
         bulk_commit();
       }
     }
