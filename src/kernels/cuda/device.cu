@@ -62,19 +62,23 @@ Kernels kernels_for(int64_t head_dim) {
   }
 }
 
+// The compute capability of `device`, as 10 * major + minor.
+int compute_capability(int device) {
+  int major = 0, minor = 0;
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
 #ifdef RINGFLASH_SM90
 // The sm_90a kernels run a case on a device of compute capability 9.0 unless hopper_gap() says why
 // not; RINGFLASH_SM90=0 in the environment turns them off (for comparisons).
-bool hopper_device(int device) {
+bool hopper(int capability) {
   static const bool off = [] {
     const char* v = std::getenv("RINGFLASH_SM90");
     return v && std::string(v) == "0";
   }();
-  if (off || device < 0) return false;
-  int major = 0, minor = 0;
-  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  return !off && capability == 90;
 }
 
 // Why the sm_90a kernels do not run this case (the forward, or the backward when `backward`), or
@@ -151,11 +155,10 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
   // The tensors' device, not a pointer query: memory that a CUDA graph allocates during capture
   // has no attributes until the graph runs.
   const int device = a.device;
-  if (device >= 0) {
-    int major = 0;
-    RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    if (major < 8) return str_cat("the CUDA kernels need compute capability 8.0 or newer, device ", device, " has ", major, ".x");
-  }
+  const int capability = device >= 0 ? compute_capability(device) : 0;
+  if (device >= 0 && capability < 80)
+    return str_cat("the CUDA kernels need compute capability 8.0 or newer, device ", device, " has ", capability / 10,
+                   ".", capability % 10);
   if (a.heads_q > kMaxGridYZ || a.batch > kMaxGridYZ)
     return str_cat("the CUDA kernels take at most ", kMaxGridYZ, " heads and sequences, got ", a.heads_q, " heads and ",
                    a.batch, " sequences");
@@ -165,7 +168,7 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
       return str_cat(name, " must be 16-byte aligned with strides of whole 16-byte units for the CUDA kernels");
   *chosen = k;
 #ifdef RINGFLASH_SM90
-  if (hopper_device(device)) {
+  if (hopper(capability)) {
     const Kernels h = a.dtype == DType::kFloat16 ? hopper_kernels<__half>(a.head_dim)
                                                  : hopper_kernels<__nv_bfloat16>(a.head_dim);
     if (h.forward && hopper_gap(a, false).empty()) chosen->forward = h.forward;
@@ -236,7 +239,7 @@ std::string unsupported_reason(const AttentionArgs& args) {
 
 std::string kernels_used(const AttentionArgs& args) {
 #ifdef RINGFLASH_SM90
-  if (!hopper_device(args.device)) return "sm80";
+  if (args.device < 0 || !hopper(compute_capability(args.device))) return "sm80";
   const std::string forward = hopper_gap(args, false), backward = hopper_gap(args, true);
   if (!forward.empty()) return "sm80 (the sm_90a kernels do not run this case: " + forward + ")";
   if (!backward.empty()) return "sm90 forward, sm80 backward (" + backward + ")";

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <string>
 #include <type_traits>
 
 #include "../check.h"
@@ -31,6 +32,28 @@ inline EncodeTiled encode_tiled() {
   return fn;
 }
 
+// A tensor map of kRank dimensions (innermost first; strides in bytes of every dimension but the
+// first), the box's elements contiguous along the first. `what` names the tensor in the error.
+template <int kRank>
+CUtensorMap encode(CUtensorMapDataType type, const void* data, const cuuint64_t (&dims)[kRank],
+                   const cuuint64_t (&strides)[kRank - 1], const cuuint32_t (&box)[kRank], CUtensorMapSwizzle swizzle,
+                   const char* what) {
+  cuuint32_t element_strides[kRank];
+  for (int d = 0; d < kRank; ++d) element_strides[d] = 1;
+  CUtensorMap map{};
+  const CUresult rc = encode_tiled()(&map, type, kRank, const_cast<void*>(data), dims, strides, box, element_strides,
+                                     CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (rc != CUDA_SUCCESS) {
+    std::string shape, stride;
+    for (int d = 0; d < kRank; ++d) shape += (d ? " x " : "") + std::to_string(dims[d]);
+    for (int d = 0; d + 1 < kRank; ++d) stride += (d ? "/" : "") + std::to_string(strides[d]);
+    throw NotSupported(core::str_cat("[cuda] cuTensorMapEncodeTiled refused ", what, " (error ", static_cast<int>(rc),
+                                     "; dims ", shape, ", strides ", stride, " bytes)"));
+  }
+  return map;
+}
+
 // One operand (rows x heads x head dim per sequence, strides in elements) as a 4-D map (head dim,
 // heads, rows, batch) with boxes of 64 columns x 1 head x box_rows rows, 128-byte swizzle. Columns
 // past the head dim and rows past `rows` read as zeros.
@@ -45,15 +68,7 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   const cuuint64_t strides[3] = {bytes(heads > 1 ? o.head_stride : head_dim), bytes(o.row_stride),
                                  bytes(batch > 1 ? o.batch_stride : rows * o.row_stride)};
   const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map{};
-  const CUresult rc = encode_tiled()(&map, kType, 4, o.data, dims, strides, box, element_strides,
-                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused an operand (error ",
-                  static_cast<int>(rc), "; head dim ", head_dim, ", strides ", o.row_stride, "/", o.head_stride, "/",
-                  o.batch_stride, ")");
-  return map;
+  return encode(kType, o.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "an operand");
 }
 
 // The backward's fp32 dQ accumulator (Params::dq_accum and its strides) as a 4-D map (head dim,
@@ -86,14 +101,8 @@ inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, in
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(columns)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(rows) * sizeof(float)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[2] = {1, 1};
-  CUtensorMap map{};
-  const CUresult rc = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(data), dims, strides,
-                                     box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused a row statistic (error ",
-                  static_cast<int>(rc), "; ", rows, " rows)");
-  return map;
+  return encode(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE,
+                "a row statistic");
 }
 
 template <typename T, int kHeadDim>
