@@ -84,15 +84,8 @@ inline CUtensorMap dq_map(const Params& p, int64_t batch, int box_rows) {
                                  bytes(p.dq_accum_row_stride),
                                  bytes(batch > 1 ? p.dq_accum_batch_stride : a.rows_q * p.dq_accum_row_stride)};
   const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  CUtensorMap map{};
-  const CUresult rc = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.dq_accum, dims, strides, box,
-                                     element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                     CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  RINGFLASH_CHECK(rc == CUDA_SUCCESS, NotSupported, "[cuda] cuTensorMapEncodeTiled refused the dQ accumulator (error ",
-                  static_cast<int>(rc), "; strides ", p.dq_accum_row_stride, "/", p.dq_accum_head_stride, "/",
-                  p.dq_accum_batch_stride, ")");
-  return map;
+  return encode(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                "the dQ accumulator");
 }
 
 // A row statistic of the backward's workspace (fp32, row i of column c at data[c * rows + i]) as a
