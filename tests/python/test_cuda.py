@@ -78,12 +78,11 @@ def test_support_names_the_kernels():
     wide = torch.randn(1, 256, 4, 256, device=DEVICE, dtype=torch.bfloat16)
     support = ringflash.attention_support(wide, wide, wide)
     if support.supported:  # head dim 256 is built
-        expected = "sm80 (the sm_90a kernels do not run this case: they take head dims up to 128, got 256)"
+        expected = "sm90 forward, sm80 backward (the sm_90a backward takes head dims up to 128, got 256)"
         assert support.kernels == (expected if hopper else "sm80")
     cu = torch.tensor([0, 100, 256], dtype=torch.int32, device=DEVICE)
     packed = ringflash.attention_support(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu).kernels
-    expected = "sm80 (the sm_90a kernels do not run this case: they take padded batches only)"
-    assert packed == (expected if hopper else "sm80")
+    assert packed == ("sm90" if hopper else "sm80")
     assert ringflash.attention_support(q, k, v, deterministic=True).kernels == (
         "sm90 forward, sm80 backward (the deterministic backward is the sm_80 one)" if hopper else "sm80")
     if hopper:
@@ -341,6 +340,20 @@ def test_rows_outside_the_sequences(margins, head_dim, dtype):
     outside_k[cu_k[0]:cu_k[-1]] = False
     assert torch.all(out[outside_q] == 0) and torch.all(lse[:, outside_q] == float("-inf"))
     assert torch.all(dq[outside_q] == 0) and torch.all(dk[outside_k] == 0) and torch.all(dv[outside_k] == 0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"D{d}")
+def test_nan_outside_the_sequences(head_dim):
+    """Rows of a packed batch outside every sequence may hold anything, NaN included (torch.empty):
+    the tiles that run past the last sequence read them, and no result may carry them."""
+    lengths_q, lengths_k = [3, 0, 150, 7], [4, 2, 150, 70]
+    q, k, v, cu_q, cu_k = packed_with_margins(lengths_q, lengths_k, 2, 130, 4, 2, head_dim, torch.bfloat16, seed=9)
+    for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)):
+        t[:cu[0]] = float("nan")
+        t[cu[-1]:] = float("nan")
+    results = check_packed(q, k, v, cu_q, cu_k, lengths_q, lengths_k, torch.bfloat16, causal=True)
+    out, lse, grads = results["ringflash"]
+    assert all(torch.isfinite(x).all() for x in (out, *grads))
 
 
 # --- raw _C calls: positions, accumulate mode, outputs written whole --------------------------------

@@ -84,12 +84,9 @@ bool hopper(int capability) {
 // Why the sm_90a kernels do not run this case (the forward, or the backward when `backward`), or
 // "" when they do.
 std::string hopper_gap(const AttentionArgs& a, bool backward) {
-  if (a.head_dim > 128) return str_cat("they take head dims up to 128, got ", a.head_dim);
+  if (backward && a.head_dim > 128)
+    return str_cat("the sm_90a backward takes head dims up to 128, got ", a.head_dim);
   if (a.rows_q == 0 || a.rows_k == 0) return "they take no empty q or k";  // a tensor map has no empty dimension
-  // A TMA box does not stop at a packed sequence's end: the rows after it (the next sequence, or
-  // rows in no sequence) may hold anything, NaN included, which a zero probability does not
-  // cancel in P V (nor a zero dS in dS K).
-  if (a.cu_seqlens_q || a.cu_seqlens_k) return "they take padded batches only";
   for (auto [o, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}})
     if (o->head_stride > o->row_stride)
       return str_cat("they read ", name, " by TMA, which needs its heads inside its rows (head stride ",
@@ -112,6 +109,10 @@ Kernels hopper_kernels(int64_t head_dim) {
 #ifndef RINGFLASH_DISABLE_HDIM128
     case 128:
       return {sm90::run_forward<T, 128>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 128>)};
+#endif
+#ifndef RINGFLASH_DISABLE_HDIM256
+    case 256:
+      return {sm90::run_forward<T, 256>, nullptr};
 #endif
     default:
       return {};

@@ -12,11 +12,11 @@ PASSES = {
     "forward": "void run_forward<{t}, {d}>(const Params&, cudaStream_t)",
     "backward": "void run_backward<{t}, {d}>(const Params&, int64_t, cudaStream_t)",
 }
-# Kernel families: file prefix, launcher header, namespace, head dims. The Hopper kernels (sm_90a)
-# take head dims up to 128; CMake builds them only for architecture 90.
+# Kernel families: file prefix, launcher header, namespace, head dims of each pass. The Hopper
+# kernels (sm_90a) have no head-dim-256 backward; CMake builds them only for architecture 90.
 FAMILIES = [
-    ("", "../launch.cuh", "ringflash::cuda", [64, 128, 256]),
-    ("sm90_", "../sm90/launch.cuh", "ringflash::cuda::sm90", [64, 128]),
+    ("", "../launch.cuh", "ringflash::cuda", {"forward": [64, 128, 256], "backward": [64, 128, 256]}),
+    ("sm90_", "../sm90/launch.cuh", "ringflash::cuda::sm90", {"forward": [64, 128, 256], "backward": [64, 128]}),
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -34,7 +34,7 @@ def write_family(prefix, launcher, namespace, head_dims):
     externs = []
     for pass_name, signature in PASSES.items():
         for dtype, ctype in DTYPES.items():
-            for head_dim in head_dims:
+            for head_dim in head_dims[pass_name]:
                 decl = signature.format(t=ctype, d=head_dim)
                 (HERE / "instances" / f"{prefix}{pass_name}_{dtype}_hdim{head_dim}.cu").write_text(
                     f'{NOTICE}\n#include "{launcher}"\n\nnamespace {namespace} {{\ntemplate {decl};\n}}\n')

@@ -38,8 +38,10 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream);
 
 extern template void run_forward<__half, 64>(const Params&, cudaStream_t);
 extern template void run_forward<__half, 128>(const Params&, cudaStream_t);
+extern template void run_forward<__half, 256>(const Params&, cudaStream_t);
 extern template void run_forward<__nv_bfloat16, 64>(const Params&, cudaStream_t);
 extern template void run_forward<__nv_bfloat16, 128>(const Params&, cudaStream_t);
+extern template void run_forward<__nv_bfloat16, 256>(const Params&, cudaStream_t);
 extern template void run_backward<__half, 64>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__half, 128>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__nv_bfloat16, 64>(const Params&, int64_t, cudaStream_t);

@@ -9,13 +9,15 @@
 //       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
 //       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
-//       dQ  = dS K                         (dS^T through shared memory, read transposed)
-//     and dQ goes to the fp32 accumulator with vector atomics. The item's dQ is 128 x 64 or
-//     64 x 128: each consumer takes one 64 x 64 block of it over all 128 keys, so it reads both
-//     consumers' dS^T (a named barrier of the two), and every element gets one atomic per item.
+//       dQ += dS K over its own keys        (dS^T through shared memory, read transposed)
+//     and adds its part of dQ to the fp32 accumulator by a TMA reduce-add from shared memory, one
+//     bulk copy per 32 columns instead of an atomic per element pair. The two consumers never wait
+//     for each other, so one's softmax runs under the other's products.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //
-// Padded batches only, as the forward.
+// Packed batches, as in the forward: rows past a sequence in a tile are zeroed in shared memory
+// where a zero probability or dS would meet them in a product (K's rows for dQ = dS K, Q's and dO's
+// for dK and dV); the mask hides them in S^T and dP^T.
 #pragma once
 
 #include <cuda.h>
@@ -28,10 +30,12 @@ namespace ringflash::cuda::sm90 {
 
 // The backward's operands as tensor maps: q and dout with boxes of a query tile's rows, k and v of
 // 128; lse2 and dsum (the workspace's fp32 row statistics, a multiple of 4 rows per head and
-// sequence) as 2-D maps (rows, heads x sequences) with boxes of a query tile's rows. (A TMA copy
-// starts at a 16-byte boundary: a query tile's rows do, padded batches only.)
+// sequence) as 2-D maps (rows, heads x sequences) with boxes of a query tile's rows plus 4: a TMA
+// copy starts at a 16-byte boundary, so a tile's statistics are loaded from the multiple of 4 at
+// or before its first row (a packed sequence starts at any row).
 struct BackwardMaps {
   CUtensorMap q, dout, k, v, lse2, dsum;
+  CUtensorMap dq;  // the fp32 accumulator (head dim, heads, rows, batch), boxes of 32 x 1 x kBlockM x 1
 };
 
 template <typename T, int kHeadDim>
@@ -44,16 +48,19 @@ struct Backward {
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kStatBytes = kBlockM * 4;
-  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
+  // The statistics' box: a query tile's rows plus 4; each in a slot of whole 128-byte lines (a TMA
+  // copy's destination is 128-byte aligned).
+  static constexpr int kStatRows = kBlockM + 4, kStatBytes = kStatRows * 4, kStatSlot = kBlockM + 32;
+  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row); each consumer writes and
+  // reads its own 64 keys' rows.
   static constexpr int kSBytes = kBlockN * kBlockM * 2;
-  // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
-  // write); + room to align to 1024.
-  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 1024;
+  // A consumer's part of dQ in fp32, in column blocks of 32 (128 bytes a row, 128-byte swizzle),
+  // the source of its TMA reduce-add.
+  static constexpr int kDqBytes = kBlockM * kHeadDim * 4;
+  // K, V; per stage Q and dO; dS^T; two dQ parts; + room to align to 1024.
+  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
-  // dQ = dS K, kBlockM x kHeadDim: consumer c takes 64 x 64 block c of it (of its rows at head dim
-  // 64, of its columns at 128) over all keys.
-  static_assert(kBlockM * kHeadDim == 2 * 64 * 64, "one 64 x 64 block of dQ per consumer");
+  static constexpr int kQueryBlocks = kBlockM / 64;  // dQ's 64-row wgmma blocks
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
   using STile = Tile<kBlockN, 64>;  // one column block: the 128-byte swizzle of TMA and wgmma at a 1024-byte boundary
@@ -64,8 +71,9 @@ struct Backward {
     T* sv = sk + kBlockN * kHeadDim;
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
-    T* sds = sdo + kStages * kBlockM * kHeadDim;  // two tiles
-    __shared__ __align__(128) float stats[kStages][2][kBlockM];  // lse2, dsum
+    T* sds = sdo + kStages * kBlockM * kHeadDim;
+    float* sdq = reinterpret_cast<float*>(sds + kBlockN * kBlockM);  // two parts
+    __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
@@ -95,27 +103,30 @@ struct Backward {
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
       if (tid == 0 && items.count > 0) {
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
-        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, b);
-        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, b);
+        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
+        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
         for (int i = 0; i < items.count; ++i) {
           const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int h = items.head(i);
           const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
           mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
-          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, b);
-          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, b);
-          // Rows past the sequence read as 0: the mask hides them.
-          const int stat_column = static_cast<int>(b * a.heads_q + h);
-          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], static_cast<int>(row), stat_column);
-          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], static_cast<int>(row), stat_column);
+          load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
+          load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
+          // From the multiple of 4 at or before the tile's first row; the mask hides rows past the
+          // sequence.
+          const int stat_column = static_cast<int>(tb * a.heads_q + h);
+          const int stat_row = static_cast<int>(row & ~int64_t{3});
+          tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], stat_row, stat_column);
+          tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], stat_row, stat_column);
         }
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      consume(p, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, stats, kv_full, full, empty, group - 1,
-              lane);
+      consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kBlockM * kHeadDim,
+              stats, kv_full, full, empty, group - 1, lane);
     }
   }
 
@@ -125,10 +136,11 @@ struct Backward {
     __device__ __forceinline__ int query_tile(int i) const { return m_begin + i % tiles; }
   };
 
-  static __device__ __forceinline__ void consume(const Params& p, int64_t b, int hk, const core::Sequence& seq,
-                                                 int64_t n0, int valid_n, const core::Mask& mask, const Items& items,
-                                                 T* sk, T* sv, T* sq, T* sdo, T* sds,
-                                                 float (&stats)[kStages][2][kBlockM], uint64_t& kv_full,
+  static __device__ __forceinline__ void consume(const Params& p, const BackwardMaps& maps, int64_t b, int hk,
+                                                 const core::Sequence& seq, int64_t n0, int valid_n,
+                                                 const core::Mask& mask, const Items& items, T* sk, T* sv, T* sq,
+                                                 T* sdo, T* sds, float* sdq,
+                                                 float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
                                                  uint64_t (&full)[kStages], uint64_t (&empty)[kStages], int consumer,
                                                  int lane) {
     const core::AttentionArgs& a = p.a;
@@ -138,11 +150,19 @@ struct Backward {
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
-    float dq[32];                             // this consumer's 64 x 64 block of dQ
+    float dq[kQueryBlocks][kHeadDim / 2];     // dQ over this consumer's keys, per 64 query rows
+    const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's reduce-adds
+    const int wg_barrier = 1 + consumer;  // named barrier of this consumer's 128 threads
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
     const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
 
+    const bool packed = a.cu_seqlens_q != nullptr;
+    const int thread = threadIdx.x - 128;  // of the 256 consumer threads
     if (items.count > 0) mbarrier_wait(&kv_full, 0);
+    if (items.count > 0 && packed && valid_n < kBlockN) {  // K's rows past the sequence, for dQ = dS K
+      zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
+      named_barrier_sync(kZeroed, 256);
+    }
     for (int i = 0; i < items.count; ++i) {
       const int stage = i % kStages;
       const int h = items.head(i);
@@ -150,8 +170,13 @@ struct Backward {
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
       const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
-      T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
+      T* ds_tile = sds;
       mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
+      if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
+        zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
+        zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, thread, 256);
+        named_barrier_sync(kZeroed, 256);
+      }
 
       // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
       wgmma_fence();
@@ -172,8 +197,9 @@ struct Backward {
       // key0 + lane / 4 + 8 (e / 2), query 8 j + 2 (lane % 4) + e % 2.
       const ScoreTransform f = p.score_transform(b, h);
       const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
-      const float* lse2 = stats[stage][0];
-      const float* dsum = stats[stage][1];
+      const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
+      const float* lse2 = stats[stage][0] + shift;
+      const float* dsum = stats[stage][1] + shift;
       // The lane, opaque to the compiler in each item: otherwise it computes every element's
       // key and query offsets once, before the loop, and spills them.
       int item_lane = lane;
@@ -189,6 +215,9 @@ struct Backward {
                 f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
           }
       });
+      // The last item's reduce-add has read its dQ part before this item writes it (below); dS^T
+      // is this consumer's own, read by its own dQ products only.
+      if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq) {
         accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
@@ -198,6 +227,7 @@ struct Backward {
         store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
       }
       fence_proxy_async();
+      named_barrier_sync(wg_barrier, 128);  // this consumer's dS^T rows are in shared memory
 
       // dV += P^T dO and dK += dS^T Q: 16 queries (two 8-row atoms) per step, the column blocks
       // of dO and Q kBlockM rows apart.
@@ -213,52 +243,65 @@ struct Backward {
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kHeadDim>::template rs<1>(dk, da[kq], mn_major_desc(q_tile + kq * 2048, kBlockM * 128), true);
       wgmma_commit();
-
-      // dQ = dS K once both consumers' dS^T are in shared memory (the 256 consumer threads): this
-      // consumer's column block of dS^T (its 64 query rows) at head dim 64, else the only one; K's
-      // column block of its 64 dQ columns at head dim 128, else the only one.
-      named_barrier_sync(1, 256);
-      const int row_block = kBlockM == 128 ? consumer : 0, column_block = kHeadDim == 128 ? consumer : 0;
-      const uint32_t ds_block = smem_u32(ds_tile) + row_block * kBlockN * 128;
-      const uint32_t k_block = k_tile + column_block * kBlockN * 128;
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<T, 64>::template ss<1, 1>(dq, mn_major_desc(ds_block + ks * 2048, kBlockN * 128),
-                                        mn_major_desc(k_block + ks * 2048, kBlockN * 128), ks > 0);
-      wgmma_commit();
       wgmma_wait<0>();
       keep(dk);
       keep(dv);
       keep(pa);
       keep(da);
-      keep(dq);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
 
-      add_dq(p, b, h, seq.row_q + q0 + row_block * 64, rows - row_block * 64, column_block * 64, warp, lane, dq);
+      // dQ = dS K over this consumer's 64 keys: dS^T's rows of them in each 64-query column block,
+      // and K's rows of them (its column blocks kBlockN rows apart).
+      const uint32_t ds_keys = smem_u32(ds_tile) + consumer * 64 * 128, k_keys = k_tile + consumer * 64 * 128;
+      wgmma_fence();
+#pragma unroll
+      for (int mb = 0; mb < kQueryBlocks; ++mb)
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+          Wgmma<T, kHeadDim>::template ss<1, 1>(dq[mb], mn_major_desc(ds_keys + mb * kBlockN * 128 + ks * 2048, kBlockN * 128),
+                                                mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mb = 0; mb < kQueryBlocks; ++mb) keep(dq[mb]);
+
+      store_dq(sdq, dq, p.softmax_scale, warp, item_lane);
+      fence_proxy_async();
+      named_barrier_sync(wg_barrier, 128);  // the dQ part is in shared memory
+      if (elected) {
+#pragma unroll
+        for (int cb = 0; cb < kHeadDim / 32; ++cb)
+          tma_reduce_add_4d(&maps.dq, sdq + cb * kBlockM * 32, cb * 32, h, static_cast<int>(seq.row_q + q0),
+                            packed ? 0 : static_cast<int>(b));
+        bulk_commit();
+      }
     }
+    if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
     write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
   }
 
-  // Adds scale * dq, a 64 x 64 tile at columns col0 (warp w: rows 16 w onwards), to the fp32
-  // accumulator, skipping rows past the sequence and columns past the head dim.
-  static __device__ __forceinline__ void add_dq(const Params& p, int64_t b, int h, int64_t row0, int rows, int col0,
-                                                int warp, int lane, const float (&dq)[32]) {
-    const int head_dim = static_cast<int>(p.a.head_dim);
-    const int row_stride = static_cast<int>(p.dq_accum_row_stride);
-    float* tile = p.dq_accum + b * p.dq_accum_batch_stride + row0 * p.dq_accum_row_stride +
-                  h * p.dq_accum_head_stride + col0;
-    const float scale = p.softmax_scale;
+  // Writes scale * dq (per 64 query rows; warp w: rows 16 w onwards) into `dst`: kBlockM rows in
+  // column blocks of 32 floats, 128 bytes a row with the 128-byte swizzle (16-byte chunk c of row
+  // r at c ^ (r % 8)), as the TMA reduce-add reads it.
+  static __device__ __forceinline__ void store_dq(float* dst, const float (&dq)[kQueryBlocks][kHeadDim / 2],
+                                                  float scale, int warp, int lane) {
+    char* base = reinterpret_cast<char*>(dst);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp * 16 + lane / 4 + half * 8;
-      if (r >= rows) continue;
-      float* dst = tile + r * row_stride + (lane % 4) * 2;
+    for (int mb = 0; mb < kQueryBlocks; ++mb)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (col0 + j * 8 < head_dim) add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
-    }
+      for (int half = 0; half < 2; ++half) {
+        const int r = mb * 64 + warp * 16 + lane / 4 + half * 8;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const int col = j * 8 + (lane % 4) * 2;
+          const int in_block = col % 32;
+          char* at = base + col / 32 * kBlockM * 128 + r * 128 + (((in_block / 4) ^ (r % 8)) * 16) + in_block % 4 * 4;
+          *reinterpret_cast<float2*>(at) =
+              make_float2(dq[mb][4 * j + 2 * half] * scale, dq[mb][4 * j + 2 * half + 1] * scale);
+        }
+      }
   }
+
   // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV.
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
                                                     int key0, const float (&dk)[kDT * 4], const float (&dv)[kDT * 4],

@@ -15,8 +15,10 @@
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
 //     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
-// Padded batches only (the dispatch keeps packed ones on the sm_80 kernels): rows past a sequence
-// are past the tensor map's rows and read as zeros.
+// Packed batches: a TMA box does not stop at a sequence's end, so the last key tile of a sequence
+// may hold rows of the next one (or rows of no sequence), which may hold anything, NaN included.
+// The mask hides them in S; V's rows past the end are zeroed in shared memory before P V, where a
+// zero probability would not cancel a NaN. Q rows past the end are computed and not written.
 #pragma once
 
 #include <cuda.h>
@@ -27,8 +29,8 @@
 namespace ringflash::cuda::sm90 {
 
 // q, k and v as 4-D tensor maps (head dim, heads, rows, batch), 128-byte swizzle, boxes of 64
-// columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the
-// sequence read as 0.
+// columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the tensor
+// read as 0. A packed batch is one sequence of the maps (batch 1).
 struct Maps {
   CUtensorMap q, k, v;
 };
@@ -49,19 +51,39 @@ __device__ __forceinline__ uint64_t k_step_desc(uint32_t tile, int block_rows, i
   return k_major_desc(tile + (ks / 4) * block_rows * 128 + row0 * 128 + (ks % 4) * 32);
 }
 
+// Zeroes rows [from, kRows) of a tile of kHeadDim / 64 column blocks of kRows x 128 bytes, with
+// `threads` threads (this one is `thread`), then fences them for the async proxy; the caller's
+// barrier publishes them.
+template <int kRows, int kHeadDim, typename T>
+__device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int threads) {
+  constexpr int kChunksPerRow = 8;  // 16 bytes each
+  const int chunks = (kRows - from) * kChunksPerRow;
+  for (int i = thread; i < chunks * (kHeadDim / 64); i += threads) {
+    const int block = i / chunks, at = i % chunks;
+    char* row = reinterpret_cast<char*>(tile) + block * kRows * 128 + (from + at / kChunksPerRow) * 128;
+    *reinterpret_cast<uint4*>(row + at % kChunksPerRow * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+}
+
+// Barrier ids of the sm_90a kernels (0 is __syncthreads).
+enum NamedBarrier : int { kTurn0 = 1, kTurn1 = 2, kZeroed = 3, kDsStored = 4 };
+
 template <typename T, int kHeadDim>
 struct Forward {
-  static constexpr int kBlockM = 128, kBlockN = 128;
+  // Head dim 256: key tiles of 64 (O alone takes 128 of a consumer's registers) in two stages
+  // (shared memory: Q 64 KB, a stage of K and V 64 KB).
+  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128;
   // A stage is freed when P V of its tile is done, one tile after its Q K^T: with three, the load
   // of tile i + 2 runs during all of tile i + 1 (with two it would wait at every tile).
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
   static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "whole column blocks; O within the consumers' registers");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
   static __device__ void run(const Params& p, const Maps& maps) {
@@ -100,16 +122,17 @@ struct Forward {
       setmaxnreg_dec<kProducerRegs>();
       if (tid == 0 && tiles > 0) {
         const int hk = h / p.group;
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&q_full, kQBytes);
-        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, b);
+        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
         for (int64_t i = 0; i < tiles; ++i) {
           const int stage = static_cast<int>(i % kStages);
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, b);
+          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
           mbarrier_arrive_expect(&v_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, b);
+          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
         }
       }
     } else {
@@ -175,11 +198,20 @@ struct Forward {
     // Ping-pong: the consumers issue their products in turn (named barriers 1 and 2), so that one's
     // softmax runs while the tensor cores work through the other's products. Consumer 0 goes first;
     // consumer 1 hands the turn back after each issue but its last.
-    const auto my_turn = [&] { named_barrier_sync(1 + consumer, 256); };
+    const auto my_turn = [&] { named_barrier_sync(consumer == 0 ? kTurn0 : kTurn1, 256); };
     const auto pass_turn = [&](bool last) {
-      if (!(consumer == 1 && last)) named_barrier_arrive(2 - consumer, 256);
+      if (!(consumer == 1 && last)) named_barrier_arrive(consumer == 0 ? kTurn1 : kTurn0, 256);
     };
-    if (consumer == 1 && tiles > 0) named_barrier_arrive(1, 256);
+    if (consumer == 1 && tiles > 0) named_barrier_arrive(kTurn0, 256);
+    // Only the last key tile can run past the sequence. In a packed batch its V rows past the
+    // sequence are zeroed before P V (both consumers, then a barrier of the two); in a padded one
+    // they are past the tensor and read as zeros.
+    const auto clean_last_v = [&] {
+      const int valid_n = tile_rows(seq.len_k, (n_begin + tiles - 1) * kBlockN, kBlockN);
+      if (!p.a.cu_seqlens_k || valid_n == kBlockN) return;
+      zero_rows<kBlockN, kHeadDim>(sv + stage_of(tiles - 1) * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
+      named_barrier_sync(kZeroed, 256);
+    };
 
     if (tiles > 0) {
       mbarrier_wait(&q_full, 0);
@@ -217,6 +249,7 @@ struct Forward {
     }
     if (tiles > 0) {
       mbarrier_wait(&v_full[stage_of(tiles - 1)], phase_of(tiles - 1));
+      clean_last_v();
       keep(o_flat);
       keep(pa);
       my_turn();

@@ -71,6 +71,23 @@ CUtensorMap operand_map(const core::AttentionArgs::Operand& o, int64_t head_dim,
   return encode(kType, o.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "an operand");
 }
 
+// The backward's fp32 dQ accumulator (Params::dq_accum and its strides) as a 4-D map (head dim,
+// heads, rows, batch) with boxes of 32 columns x 1 head x box_rows rows, 128-byte swizzle: the
+// destination of the TMA reduce-adds. Rows and columns past the tensor are not written. A packed
+// batch is one sequence of the map (batch 1).
+inline CUtensorMap dq_map(const Params& p, int64_t batch, int box_rows) {
+  const core::AttentionArgs& a = p.a;
+  const auto bytes = [](int64_t elements) { return static_cast<cuuint64_t>(elements) * sizeof(float); };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(a.head_dim), static_cast<cuuint64_t>(a.heads_q),
+                              static_cast<cuuint64_t>(a.rows_q), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {bytes(a.heads_q > 1 ? p.dq_accum_head_stride : a.head_dim),
+                                 bytes(p.dq_accum_row_stride),
+                                 bytes(batch > 1 ? p.dq_accum_batch_stride : a.rows_q * p.dq_accum_row_stride)};
+  const cuuint32_t box[4] = {32, 1, static_cast<cuuint32_t>(box_rows), 1};
+  return encode(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.dq_accum, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B,
+                "the dQ accumulator");
+}
+
 // A row statistic of the backward's workspace (fp32, row i of column c at data[c * rows + i]) as a
 // 2-D map (rows, columns) with boxes of box_rows x 1; rows must be a multiple of 4 (16-byte strides).
 inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, int box_rows) {
@@ -86,15 +103,17 @@ void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
   const core::AttentionArgs& a = p.a;
   allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
-  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, F::kBlockM),
-                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN),
-                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, F::kBlockN)};
+  const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
+                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
+                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
     forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
+  clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -106,12 +125,14 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                     static_cast<unsigned>(a.batch));
     if (grid.x == 0) return;
     allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
-    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
-                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, a.batch, B::kBlockM),
-                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
-                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, a.batch, B::kBlockN),
-                            stat_map(p.lse2, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM),
-                            stat_map(p.dsum, p.stat_head_stride, a.batch * a.heads_q, B::kBlockM)};
+    const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                            stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                            stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                            dq_map(p, batch, B::kBlockM)};
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });

@@ -77,13 +77,17 @@ __device__ __forceinline__ void keep(uint32_t (&a)[M][N]) {
 template <typename T, int N>
 struct Wgmma;
 
-// The accumulator operands of wgmma m64n64 and m64n128: the register list and its constraints.
+// The accumulator operands of wgmma m64n64, m64n128 and m64n256: the register list and its
+// constraints.
 #define RINGFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define RINGFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define RINGFLASH_WGMMA_D32_OPS(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define RINGFLASH_WGMMA_D64_OPS(d) \
   RINGFLASH_WGMMA_D32_OPS(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define RINGFLASH_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define RINGFLASH_WGMMA_D128_OPS(d) \
+  RINGFLASH_WGMMA_D64_OPS(d), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // Wgmma<T, N> for T spelled `type` in PTX, with accumulators D (RINGFLASH_WGMMA_D32 or _D64, and
 // D##_OPS). The operands after the accumulators are numbered from N / 2: ss takes a, b, accumulate
@@ -119,12 +123,16 @@ RINGFLASH_WGMMA(__nv_bfloat16, 64, "bf16", RINGFLASH_WGMMA_D32, "32", "33", "34"
 RINGFLASH_WGMMA(__half, 64, "f16", RINGFLASH_WGMMA_D32, "32", "33", "34", "35", "36", "37", "38")
 RINGFLASH_WGMMA(__nv_bfloat16, 128, "bf16", RINGFLASH_WGMMA_D64, "64", "65", "66", "67", "68", "69", "70")
 RINGFLASH_WGMMA(__half, 128, "f16", RINGFLASH_WGMMA_D64, "64", "65", "66", "67", "68", "69", "70")
+RINGFLASH_WGMMA(__nv_bfloat16, 256, "bf16", RINGFLASH_WGMMA_D128, "128", "129", "130", "131", "132", "133", "134")
+RINGFLASH_WGMMA(__half, 256, "f16", RINGFLASH_WGMMA_D128, "128", "129", "130", "131", "132", "133", "134")
 
 #undef RINGFLASH_WGMMA
 #undef RINGFLASH_WGMMA_D32
 #undef RINGFLASH_WGMMA_D64
+#undef RINGFLASH_WGMMA_D128
 #undef RINGFLASH_WGMMA_D32_OPS
 #undef RINGFLASH_WGMMA_D64_OPS
+#undef RINGFLASH_WGMMA_D128_OPS
 
 // ---- mbarriers and the bulk tensor copy ----------------------------------------------------
 
@@ -181,6 +189,21 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, uint64_t
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
+
+// Adds a 4-D tile of fp32 in shared memory at `src` into the tensor map `map` at (c0 .. c3), by
+// the copy engine (a bulk group: commit, then wait before `src` is written again).
+__device__ __forceinline__ void tma_reduce_add_4d(const void* map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until the committed bulk groups have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until the committed bulk groups are complete.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, whole warps.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
