@@ -277,7 +277,7 @@ struct Forward {
 
     if (tiles > 0) {
       mbarrier_wait(&q_full, static_cast<uint32_t>(with_keys) & 1u);
-      mbarrier_wait(&k_full[0], 0);
+      mbarrier_wait(&k_full[stage_of(0)], phase_of(0));
       my_turn();
       wgmma_fence();
       issue_qk(0);
