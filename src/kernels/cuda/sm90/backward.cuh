@@ -9,8 +9,8 @@
 //       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
 //       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
-//       its part of dQ = dS K              (dS^T through shared memory, read transposed; see
-//                                          kDqAllKeys)
+//       a 64 x 64 block of dQ = dS K       (over all 128 keys: dS^T of both consumers through
+//                                          shared memory, read transposed; see kDq)
 //     and adds its part of dQ to the fp32 accumulator by TMA reduce-adds from shared memory, one
 //     bulk copy per 32 columns instead of an atomic per element pair.
 //   - dK and dV stay in registers over every item and are written once at the end.
@@ -35,7 +35,7 @@ namespace ringflash::cuda::sm90 {
 // or before its first row (a packed sequence starts at any row).
 struct BackwardMaps {
   CUtensorMap q, dout, k, v, lse2, dsum;
-  CUtensorMap dq;  // the fp32 accumulator (head dim, heads, rows, batch), boxes of 32 x 1 x kDqRows x 1
+  CUtensorMap dq;  // the fp32 accumulator (head dim, heads, rows, batch), boxes of 32 x 1 x kDq x 1
 };
 
 template <typename T, int kHeadDim>
@@ -51,25 +51,18 @@ struct Backward {
   // The statistics' box: a query tile's rows plus 4; each in a slot of whole 128-byte lines (a TMA
   // copy's destination is 128-byte aligned).
   static constexpr int kStatRows = kBlockM + 4, kStatBytes = kStatRows * 4, kStatSlot = kBlockM + 32;
-  // How a consumer computes its part of an item's dQ = dS K (kBlockM x kHeadDim):
-  //   over its own 64 keys, the whole of dQ: it reads only the dS^T rows it wrote, so the two
-  //     consumers never wait for each other, and dQ's reduce-adds move twice the bytes;
-  //   over all 128 keys, one 64 x 64 block of dQ (its 64 query rows at head dim 64, its 64 columns
-  //     at 128): it reads both consumers' dS^T, so they meet at a named barrier in every item.
-  // Own keys at head dim 64, all keys at 128 (the faster of the two at each on an H100).
-#ifdef RINGFLASH_SM90_DQ_ALL_KEYS
-  static constexpr bool kDqAllKeys = RINGFLASH_SM90_DQ_ALL_KEYS;
-#else
-  static constexpr bool kDqAllKeys = kHeadDim == 128;
-#endif
-  static constexpr int kDqRows = kDqAllKeys ? 64 : kBlockM, kDqCols = kDqAllKeys ? 64 : kHeadDim;
-  static constexpr int kQueryBlocks = kDqRows / 64;  // the dQ part's 64-row wgmma blocks
-  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row): one buffer, or with all
-  // keys two (an item's dQ reads the one the next item does not write).
-  static constexpr int kSBuffers = kDqAllKeys ? 2 : 1, kSBytes = kBlockN * kBlockM * 2;
-  // A consumer's part of dQ in fp32, kDqRows x kDqCols in column blocks of 32 (128 bytes a row,
-  // 128-byte swizzle), the source of its TMA reduce-adds.
-  static constexpr int kDqBytes = kDqRows * kDqCols * 4;
+  // A consumer's part of an item's dQ = dS K (kBlockM x kHeadDim) is one 64 x 64 block of it (its
+  // 64 query rows at head dim 64, its 64 columns at 128) over all 128 keys: it reads both
+  // consumers' dS^T, so they meet at a named barrier in every item. (Each consumer over its own
+  // 64 keys, the whole of dQ, needs no barrier but moves twice the bytes in reduce-adds: on an
+  // H100 its backward ran 5-20% slower at head dim 128, and 2% slower on average at 64.)
+  static constexpr int kDq = 64;
+  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row), two buffers: an item's
+  // dQ reads the one the next item does not write.
+  static constexpr int kSBuffers = 2, kSBytes = kBlockN * kBlockM * 2;
+  // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
+  // swizzle), the source of its TMA reduce-adds.
+  static constexpr int kDqBytes = kDq * kDq * 4;
   // K, V; per stage Q and dO; dS^T; two dQ parts; + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + kSBuffers * kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
@@ -137,7 +130,7 @@ struct Backward {
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDqRows * kDqCols,
+      consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDq * kDq,
               stats, kv_full, full, empty, group - 1, lane);
     }
   }
@@ -162,17 +155,11 @@ struct Backward {
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
-    float dq[kQueryBlocks][kDqCols / 2];      // this consumer's part of dQ, per 64 query rows
+    float dq[kDq / 2];                        // this consumer's part of dQ
     const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's reduce-adds
     // The dQ part's first row and column in the item's dQ.
-    const int dq_row0 = kDqAllKeys && kHeadDim == 64 ? consumer * 64 : 0;
-    const int dq_col0 = kDqAllKeys && kHeadDim == 128 ? consumer * 64 : 0;
-    // Where dS^T is complete for this consumer's dQ: its own 128 threads, or with all keys both
-    // consumers' 256.
-    const auto ds_stored = [&] {
-      if constexpr (kDqAllKeys) named_barrier_sync(kDsStored, 256);
-      else named_barrier_sync(1 + consumer, 128);
-    };
+    const int dq_row0 = kHeadDim == 64 ? consumer * 64 : 0;
+    const int dq_col0 = kHeadDim == 128 ? consumer * 64 : 0;
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
     const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
 
@@ -190,7 +177,7 @@ struct Backward {
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
       const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
-      T* ds_tile = sds + (kSBuffers == 2 ? i % 2 : 0) * kBlockN * kBlockM;
+      T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
       mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
       if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
         zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
@@ -236,7 +223,7 @@ struct Backward {
           }
       });
       // The last item's reduce-add has read its dQ part before this item writes it (below, after
-      // ds_stored()).
+      // the barrier of the two consumers).
       if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq) {
@@ -247,7 +234,7 @@ struct Backward {
         store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
       }
       fence_proxy_async();
-      ds_stored();
+      named_barrier_sync(kDsStored, 256);  // both consumers' dS^T rows are in shared memory
 
       // dV += P^T dO and dK += dS^T Q: 16 queries (two 8-row atoms) per step, the column blocks
       // of dO and Q kBlockM rows apart.
@@ -270,31 +257,26 @@ struct Backward {
       keep(da);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
 
-      // The dQ part = dS K over its keys: dS^T's rows of them in the part's 64-query column blocks,
-      // and K's rows of them in the part's column block (K's column blocks are kBlockN rows apart).
-      constexpr int kKeySteps = (kDqAllKeys ? kBlockN : 64) / 16;
-      const int first_key = kDqAllKeys ? 0 : consumer * 64;
-      const uint32_t ds_keys = smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128 + first_key * 128;
-      const uint32_t k_keys = k_tile + dq_col0 / 64 * kBlockN * 128 + first_key * 128;
+      // The dQ part = dS K over all keys: dS^T's column block of the part's 64 queries, and K's
+      // column block of its 64 columns (column blocks are kBlockN rows apart).
+      const uint32_t ds_block = smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128;
+      const uint32_t k_block = k_tile + dq_col0 / 64 * kBlockN * 128;
       wgmma_fence();
 #pragma unroll
-      for (int mb = 0; mb < kQueryBlocks; ++mb)
-#pragma unroll
-        for (int ks = 0; ks < kKeySteps; ++ks)
-          Wgmma<T, kDqCols>::template ss<1, 1>(dq[mb], mn_major_desc(ds_keys + mb * kBlockN * 128 + ks * 2048, kBlockN * 128),
-                                               mn_major_desc(k_keys + ks * 2048, kBlockN * 128), ks > 0);
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<T, kDq>::template ss<1, 1>(dq, mn_major_desc(ds_block + ks * 2048, kBlockN * 128),
+                                         mn_major_desc(k_block + ks * 2048, kBlockN * 128), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
-#pragma unroll
-      for (int mb = 0; mb < kQueryBlocks; ++mb) keep(dq[mb]);
+      keep(dq);
 
       store_dq(sdq, dq, p.softmax_scale, warp, item_lane);
       fence_proxy_async();
       named_barrier_sync(1 + consumer, 128);  // the dQ part is in shared memory
       if (elected) {
 #pragma unroll
-        for (int cb = 0; cb < kDqCols / 32; ++cb)
-          tma_reduce_add_4d(&maps.dq, sdq + cb * kDqRows * 32, dq_col0 + cb * 32, h,
+        for (int cb = 0; cb < kDq / 32; ++cb)
+          tma_reduce_add_4d(&maps.dq, sdq + cb * kDq * 32, dq_col0 + cb * 32, h,
                             static_cast<int>(seq.row_q + q0 + dq_row0), packed ? 0 : static_cast<int>(b));
         bulk_commit();
       }
@@ -303,26 +285,23 @@ struct Backward {
     write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
   }
 
-  // Writes scale * dq (per 64 query rows; warp w: rows 16 w onwards) into `dst`: kDqRows rows in
-  // column blocks of 32 floats, 128 bytes a row with the 128-byte swizzle (16-byte chunk c of row
-  // r at c ^ (r % 8)), as the TMA reduce-add reads it.
-  static __device__ __forceinline__ void store_dq(float* dst, const float (&dq)[kQueryBlocks][kDqCols / 2],
-                                                  float scale, int warp, int lane) {
+  // Writes scale * dq (warp w: rows 16 w onwards) into `dst`: kDq rows in column blocks of 32
+  // floats, 128 bytes a row with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as
+  // the TMA reduce-add reads it.
+  static __device__ __forceinline__ void store_dq(float* dst, const float (&dq)[kDq / 2], float scale, int warp,
+                                                  int lane) {
     char* base = reinterpret_cast<char*>(dst);
 #pragma unroll
-    for (int mb = 0; mb < kQueryBlocks; ++mb)
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + lane / 4 + half * 8;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mb * 64 + warp * 16 + lane / 4 + half * 8;
-#pragma unroll
-        for (int j = 0; j < kDqCols / 8; ++j) {
-          const int col = j * 8 + (lane % 4) * 2;
-          const int in_block = col % 32;
-          char* at = base + col / 32 * kDqRows * 128 + r * 128 + (((in_block / 4) ^ (r % 8)) * 16) + in_block % 4 * 4;
-          *reinterpret_cast<float2*>(at) =
-              make_float2(dq[mb][4 * j + 2 * half] * scale, dq[mb][4 * j + 2 * half + 1] * scale);
-        }
+      for (int j = 0; j < kDq / 8; ++j) {
+        const int col = j * 8 + (lane % 4) * 2;
+        const int in_block = col % 32;
+        char* at = base + col / 32 * kDq * 128 + r * 128 + (((in_block / 4) ^ (r % 8)) * 16) + in_block % 4 * 4;
+        *reinterpret_cast<float2*>(at) = make_float2(dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
       }
+    }
   }
 
   // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV.

@@ -1,9 +1,10 @@
 // The Hopper forward kernel (sm_90a): persistent, one thread block per SM, each taking query
 // tiles of 128 rows (a tile: query rows x head x sequence) in turn, warp-specialised.
 //
-//   - Tiles go longest first: tile t is query tile (last - t / (heads x sequences)) of head and
-//     sequence t % (heads x sequences), and block i takes tiles i, i + blocks, ... Under a causal
-//     mask the last query tiles have the most keys, so the short ones fill the end.
+//   - Block i takes tiles i, i + blocks, ... in the order of (sequence, head, query tile from the
+//     last): the blocks at work at any time share a few heads' K and V in L2 (tiles of one query
+//     tile index across every head would not: at 16k rows that order ran 15% slower), and under a
+//     causal mask each head's longest tiles go first.
 //   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
 //     every TMA copy: per tile Q, then K and V of each key tile into three stages, each completing
 //     on an mbarrier. A stage is reused once every consumer warp has arrived on its `empty`
@@ -160,8 +161,8 @@ struct Forward {
     core::Sequence seq;
     __device__ __forceinline__ int64_t keys() const { return n_end - n_begin; }
   };
-  // The tiles of a call, longest first (see the top of the file): tile_count(p) of them, tile t
-  // being query tile (last - t / pairs) of (head, sequence) pair t % pairs.
+  // The tiles of a call (see the top of the file): tile_count(p) of them, tile t being query tile
+  // (last - t % per_head) of head and sequence t / per_head, per_head = last + 1.
   static __device__ __forceinline__ int last_query_tile(const Params& p) {
     return static_cast<int>((p.max_rows_q + kBlockM - 1) / kBlockM) - 1;
   }
@@ -170,11 +171,11 @@ struct Forward {
   }
   // Tile t's place (rows 0 past its sequence), without its key tiles.
   static __device__ __forceinline__ Tile place_of(const Params& p, int t) {
-    const int pairs = static_cast<int>(p.a.heads_q * p.a.batch), pair = t % pairs;
+    const int last = last_query_tile(p), pair = t / (last + 1);
     Tile tile;
     tile.h = pair % static_cast<int>(p.a.heads_q);
     tile.b = pair / static_cast<int>(p.a.heads_q);
-    tile.q0 = static_cast<int64_t>(last_query_tile(p) - t / pairs) * kBlockM;
+    tile.q0 = static_cast<int64_t>(last - t % (last + 1)) * kBlockM;
     tile.seq = core::sequence(p.a, tile.b);
     tile.rows = tile.q0 < tile.seq.len_q ? tile_rows(tile.seq.len_q, tile.q0, kBlockM) : 0;
     tile.n_begin = tile.n_end = 0;

@@ -151,7 +151,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                             operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
                             stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
                             stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                            dq_map(p, batch, B::kDqRows)};
+                            dq_map(p, batch, B::kDq)};
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });
