@@ -1,16 +1,9 @@
-// The Hopper forward kernel (sm_90a): persistent, one thread block per SM, each taking query
-// tiles of 128 rows (a tile: query rows x head x sequence) in turn, warp-specialised.
+// The Hopper forward kernel (sm_90a): one thread block per (query tile of 128 rows, head,
+// sequence), warp-specialised.
 //
-//   - Block i takes tiles i, i + blocks, ... in the order of (sequence, head, query tile from the
-//     last): the blocks at work at any time share a few heads' K and V in L2 (tiles of one query
-//     tile index across every head would not: at 16k rows that order ran 15% slower), and under a
-//     causal mask each head's longest tiles go first.
 //   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
-//     every TMA copy: per tile Q, then K and V of each key tile into three stages, each completing
-//     on an mbarrier. A stage is reused once every consumer warp has arrived on its `empty`
-//     barrier; the stages run on across tiles, and Q is reloaded once the consumers have read it
-//     for the last time (`q_empty`), so the next tile's loads run during a tile's last P V and
-//     its epilogue.
+//     every TMA copy: Q once, then K and V of each key tile into three stages, each completing on
+//     an mbarrier. A stage is reused once every consumer warp has arrived on its `empty` barrier.
 //   - Warpgroups 1 and 2 are the consumers, 64 query rows each, at 240 registers. S = Q K^T is
 //     wgmma m64n128k16 with both operands in shared memory (128-byte-swizzled column blocks of 64
 //     elements, as TMA writes them); O += P V is wgmma with P in registers and V read MN-major.
@@ -98,14 +91,24 @@ struct Forward {
     T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sk = sq + kBlockM * kHeadDim;
     T* sv = sk + kStages * kBlockN * kHeadDim;
-    __shared__ uint64_t q_full, q_empty, k_full[kStages], v_full[kStages], empty[kStages];
+    __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
+    const int64_t b = blockIdx.z;
+    const int h = blockIdx.y;
+    const core::Sequence seq = core::sequence(a, b);
+    // The last query tiles first: under a causal mask they have the most keys.
+    const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
+    if (q0 >= seq.len_q) return;
+    const int rows = tile_rows(seq.len_q, q0, kBlockM);
     const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
+    const core::Mask mask = p.mask();
+    int64_t n_begin, n_end;
+    key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
+    const int64_t tiles = n_end - n_begin;
 
     if (tid == 0) {
       mbarrier_init(&q_full, 1);
-      mbarrier_init(&q_empty, kConsumerWarps);
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(&k_full[s], 1);
         mbarrier_init(&v_full[s], 1);
@@ -115,26 +118,17 @@ struct Forward {
     }
     __syncthreads();
 
-    // Both sides walk the same tiles and count the same loads: `loaded` key tiles so far (their
-    // stage and phase), `with_keys` tiles that had any (the phase of q_full and q_empty).
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
-      if (tid != 0) return;
-      int64_t loaded = 0;
-      int with_keys = 0;
-      for (int t = blockIdx.x; t < tile_count(p); t += gridDim.x) {
-        const Tile tile = tile_of(p, t);
-        if (tile.keys() == 0) continue;
-        const int hk = tile.h / p.group;
-        const int64_t tb = a.cu_seqlens_q ? 0 : tile.b;  // the maps' batch coordinate
-        if (with_keys > 0) mbarrier_wait(&q_empty, static_cast<uint32_t>(with_keys - 1) & 1u);
-        ++with_keys;
+      if (tid == 0 && tiles > 0) {
+        const int hk = h / p.group;
+        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&q_full, kQBytes);
-        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, tile.seq.row_q + tile.q0, tile.h, tb);
-        for (int64_t n = tile.n_begin; n < tile.n_end; ++n, ++loaded) {
-          const int stage = static_cast<int>(loaded % kStages);
-          if (loaded >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(loaded / kStages - 1) & 1u);
-          const int64_t row = tile.seq.row_k + n * kBlockN;
+        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
+        for (int64_t i = 0; i < tiles; ++i) {
+          const int stage = static_cast<int>(i % kStages);
+          if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
+          const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
           load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
           mbarrier_arrive_expect(&v_full[stage], kKVBytes);
@@ -143,67 +137,18 @@ struct Forward {
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      int64_t loaded = 0;
-      int with_keys = 0;
-      for (int t = blockIdx.x; t < tile_count(p); t += gridDim.x) {
-        const Tile tile = tile_of(p, t);
-        consume(p, t, tile, loaded, with_keys, sq, sk, sv, q_full, q_empty, k_full, v_full, empty, group - 1, lane);
-        loaded += tile.keys();
-        with_keys += tile.keys() > 0;
-      }
+      consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, empty, group - 1,
+              lane);
     }
   }
 
-  // One query tile: its place and its key tiles [n_begin, n_end).
-  struct Tile {
-    int64_t b, q0, n_begin, n_end;
-    int h, rows;
-    core::Sequence seq;
-    __device__ __forceinline__ int64_t keys() const { return n_end - n_begin; }
-  };
-  // The tiles of a call (see the top of the file): tile_count(p) of them, tile t being query tile
-  // (last - t % per_head) of head and sequence t / per_head, per_head = last + 1.
-  static __device__ __forceinline__ int last_query_tile(const Params& p) {
-    return static_cast<int>((p.max_rows_q + kBlockM - 1) / kBlockM) - 1;
-  }
-  static __device__ __forceinline__ int tile_count(const Params& p) {
-    return (last_query_tile(p) + 1) * static_cast<int>(p.a.heads_q * p.a.batch);
-  }
-  // Tile t's place (rows 0 past its sequence), without its key tiles.
-  static __device__ __forceinline__ Tile place_of(const Params& p, int t) {
-    const int last = last_query_tile(p), pair = t / (last + 1);
-    Tile tile;
-    tile.h = pair % static_cast<int>(p.a.heads_q);
-    tile.b = pair / static_cast<int>(p.a.heads_q);
-    tile.q0 = static_cast<int64_t>(last - t % (last + 1)) * kBlockM;
-    tile.seq = core::sequence(p.a, tile.b);
-    tile.rows = tile.q0 < tile.seq.len_q ? tile_rows(tile.seq.len_q, tile.q0, kBlockM) : 0;
-    tile.n_begin = tile.n_end = 0;
-    return tile;
-  }
-  static __device__ __forceinline__ Tile tile_of(const Params& p, int t) {
-    Tile tile = place_of(p, t);
-    if (tile.rows > 0) key_tiles<kBlockN>(p.mask(), tile.seq, tile.q0, tile.rows, &tile.n_begin, &tile.n_end);
-    return tile;
-  }
-
-  // Query tile `tile` (number t of the call) on one consumer: its key tiles are loads [loaded,
-  // loaded + tile.keys()) of the block, and it is the block's tile number `with_keys` that has any.
-  // The key tiles use only the positions below; the epilogue finds the tile's place again from t
-  // (kept opaque), so that none of it is held in registers through the main loop.
-  static __device__ __forceinline__ void consume(const Params& p, int t, const Tile& tile, int64_t loaded,
-                                                 int with_keys, T* sq, T* sk, T* sv, uint64_t& q_full,
-                                                 uint64_t& q_empty,
+  static __device__ __forceinline__ void consume(const Params& p, int64_t b, int h, const core::Sequence& seq,
+                                                 int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
+                                                 int64_t tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
                                                  uint64_t (&empty)[kStages], int consumer, int lane) {
-    if (tile.rows == 0) return;  // a tile past its sequence
-    const int64_t tiles = tile.keys();
-    const int rows = tile.rows;
-    const int64_t pq0 = tile.seq.pos_q + tile.q0;                      // the first query's position
-    const int64_t pk_begin = tile.seq.pos_k + tile.n_begin * kBlockN;   // the first key tile's
-    const int64_t keys_from = tile.seq.len_k - tile.n_begin * kBlockN;  // keys from it to the end
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
-    const ScoreTransform f = p.score_transform(tile.b, tile.h);
+    const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
     const bool plain = !alibi && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
     float o[1][kDT][4] = {};
@@ -213,11 +158,8 @@ struct Forward {
     auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
     uint32_t pa[kBlockN / 16][4];
     const uint32_t q_tile = smem_u32(sq);
-    // The stage and phase of key tile i, from those of the tile's first (32-bit arithmetic in the loop).
-    const int stage0 = static_cast<int>(loaded % kStages);
-    const uint32_t phase0 = static_cast<uint32_t>(loaded / kStages) & 1u;
-    const auto stage_of = [&](int64_t i) { return (stage0 + static_cast<int>(i)) % kStages; };
-    const auto phase_of = [&](int64_t i) { return (phase0 + (stage0 + static_cast<uint32_t>(i)) / kStages) & 1u; };
+    const auto stage_of = [](int64_t i) { return static_cast<int>(i % kStages); };
+    const auto phase_of = [](int64_t i) { return static_cast<uint32_t>(i / kStages) & 1u; };
 
     // S(i) = Q K(i)^T for this consumer's 64 rows, issued and committed as one group.
     const auto issue_qk = [&](int64_t i) {
@@ -239,19 +181,14 @@ struct Forward {
     };
     // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
     const auto softmax = [&](int64_t i, float (&correction)[1][2]) {
-      const int valid_n = tile_rows(keys_from, i * kBlockN, kBlockN);
-      const int64_t pk0 = pk_begin + i * kBlockN;
+      const int64_t n = n_begin + i;
+      const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
+      const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
       const bool partial = valid_n < kBlockN ||
-                           p.mask().classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
       // Plain scores stay raw: the scale goes into the exponent.
       const bool raw = !partial && plain;
-      if (!raw) {
-        // The lane and row, opaque to the compiler in each key tile: otherwise it computes every
-        // element's key and query offsets once, before the loops, and spills them.
-        int tile_lane = lane, tile_row0 = warp_row0;
-        asm volatile("" : "+r"(tile_lane), "+r"(tile_row0));
-        transform_scores(s, f, alibi, partial, TileMask(p.mask(), pk0 - pq0, kBlockM, valid_n), tile_row0, tile_lane);
-      }
+      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
       return softmax_tile(s, row_max, row_sum, raw ? p.qk_scale : 1.0f, correction);
     };
     const auto to_a = [&] {
@@ -270,15 +207,15 @@ struct Forward {
     // sequence are zeroed before P V (both consumers, then a barrier of the two); in a padded one
     // they are past the tensor and read as zeros.
     const auto clean_last_v = [&] {
-      const int valid_n = tile_rows(keys_from, (tiles - 1) * kBlockN, kBlockN);
+      const int valid_n = tile_rows(seq.len_k, (n_begin + tiles - 1) * kBlockN, kBlockN);
       if (!p.a.cu_seqlens_k || valid_n == kBlockN) return;
       zero_rows<kBlockN, kHeadDim>(sv + stage_of(tiles - 1) * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
       named_barrier_sync(kZeroed, 256);
     };
 
     if (tiles > 0) {
-      mbarrier_wait(&q_full, static_cast<uint32_t>(with_keys) & 1u);
-      mbarrier_wait(&k_full[stage_of(0)], phase_of(0));
+      mbarrier_wait(&q_full, 0);
+      mbarrier_wait(&k_full[0], 0);
       my_turn();
       wgmma_fence();
       issue_qk(0);
@@ -311,7 +248,6 @@ struct Forward {
       to_a();
     }
     if (tiles > 0) {
-      if (lane == 0) mbarrier_arrive(&q_empty);  // every Q K^T is done: the next tile's Q may load
       mbarrier_wait(&v_full[stage_of(tiles - 1)], phase_of(tiles - 1));
       clean_last_v();
       keep(o_flat);
@@ -322,12 +258,8 @@ struct Forward {
       pass_turn(true);
       wgmma_wait<0>();
       keep(o_flat);
-      if (lane == 0) mbarrier_arrive(&empty[stage_of(tiles - 1)]);
     }
-    int opaque_t = t;
-    asm volatile("" : "+r"(opaque_t));
-    const Tile at = place_of(p, opaque_t);
-    write_output<T>(p, at.b, at.h, at.seq, at.q0, at.rows, o, row_max, row_sum, lane, warp_row0);
+    write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
   }
 };
 

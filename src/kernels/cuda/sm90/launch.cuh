@@ -5,9 +5,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -33,19 +30,6 @@ inline EncodeTiled encode_tiled() {
     return reinterpret_cast<EncodeTiled>(p);
   }();
   return fn;
-}
-
-// The SMs of `device`, read once per device (the persistent forward's grid).
-inline int multiprocessors(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices] = {};
-  const bool cached = device >= 0 && device < kMaxDevices;
-  int n = cached ? counts[device].load(std::memory_order_relaxed) : 0;
-  if (n == 0) {
-    RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    if (cached) counts[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
 }
 
 // A tensor map of kRank dimensions (innermost first; strides in bytes of every dimension but the
@@ -123,13 +107,10 @@ void run_forward(const Params& p, cudaStream_t stream) {
   const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
                   operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
-  // Persistent: one block per SM at most, each taking tiles in turn.
-  const int64_t tiles = static_cast<int64_t>(blocks_for(p.max_rows_q, F::kBlockM)) * a.heads_q * a.batch;
-  RINGFLASH_CHECK(tiles <= INT32_MAX, InvalidArgument, "attention_forward: ", tiles,
-                  " query tiles (rows / 128 x heads x sequences) are more than the Hopper forward takes (2^31 - 1)");
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(tiles, multiprocessors(p.a.device)));
-  if (blocks > 0) {
-    forward_kernel<T, kHeadDim><<<blocks, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+  const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
+                  static_cast<unsigned>(a.batch));
+  if (grid.x > 0) {
+    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
   clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
