@@ -57,14 +57,14 @@ struct Backward {
   // 64 keys, the whole of dQ, needs no barrier but moves twice the bytes in reduce-adds: on an
   // H100 its backward ran 5-20% slower at head dim 128, and 2% slower on average at 64.)
   static constexpr int kDq = 64;
-  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row), two buffers: an item's
-  // dQ reads the one the next item does not write.
-  static constexpr int kSBuffers = 2, kSBytes = kBlockN * kBlockM * 2;
+  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
+  static constexpr int kSBytes = kBlockN * kBlockM * 2;
   // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
   // swizzle), the source of its TMA reduce-adds.
   static constexpr int kDqBytes = kDq * kDq * 4;
-  // K, V; per stage Q and dO; dS^T; two dQ parts; + room to align to 1024.
-  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + kSBuffers * kSBytes + 2 * kDqBytes + 1024;
+  // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
+  // write); two dQ parts; + room to align to 1024.
+  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
@@ -76,8 +76,8 @@ struct Backward {
     T* sv = sk + kBlockN * kHeadDim;
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
-    T* sds = sdo + kStages * kBlockM * kHeadDim;
-    float* sdq = reinterpret_cast<float*>(sds + kSBuffers * kBlockN * kBlockM);  // two parts
+    T* sds = sdo + kStages * kBlockM * kHeadDim;                        // two tiles
+    float* sdq = reinterpret_cast<float*>(sds + 2 * kBlockN * kBlockM);  // two parts
     __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 

@@ -89,8 +89,8 @@ struct Wgmma;
 #define RINGFLASH_WGMMA_D128_OPS(d) \
   RINGFLASH_WGMMA_D64_OPS(d), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
-// Wgmma<T, N> for T spelled `type` in PTX, with accumulators D (RINGFLASH_WGMMA_D32 or _D64, and
-// D##_OPS). The operands after the accumulators are numbered from N / 2: ss takes a, b, accumulate
+// Wgmma<T, N> for T spelled `type` in PTX, with accumulators D (RINGFLASH_WGMMA_D32, _D64 or _D128,
+// and D##_OPS). The operands after the accumulators are numbered from N / 2: ss takes a, b, accumulate
 // and the transposes; rs the four A registers, b, accumulate and trans-b.
 #define RINGFLASH_WGMMA(T, N, type, D, a0, a1, a2, a3, a4, a5, a6)                                              \
   template <>                                                                                                  \
