@@ -7,8 +7,10 @@
 // dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
 // after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
 // to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
-// step s computes. With a window, the ring stops after the last step any rank needs, so farther
-// transfers never happen.
+// step s computes. The backward splits its own block by key rows: the first half at step 0 (under
+// the first K/V transfer), the second after the last step (under the last hop, which would
+// otherwise run alone). With a window, the ring stops after the last step any rank needs, so
+// farther transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)
@@ -141,6 +143,21 @@ Block block_of(const std::vector<Run>& runs, size_t first, size_t last) {
   return {runs[first].row, runs[last].row + runs[last].piece.count - runs[first].row};
 }
 
+// The parts of `runs` in rows [rows.row, rows.row + rows.count).
+std::vector<Run> clipped(const std::vector<Run>& runs, const Block& rows) {
+  std::vector<Run> out;
+  for (const Run& r : runs) {
+    const int64_t first = std::max(r.row, rows.row), end = std::min(r.row + r.piece.count, rows.row + rows.count);
+    if (first >= end) continue;
+    Run c = r;
+    c.row = first;
+    c.piece.start = r.piece.position(first - r.row);
+    c.piece.count = end - first;
+    out.push_back(c);
+  }
+  return out;
+}
+
 // Whether one kernel call over query runs qs[qa..qb] and key runs ks[ka..kb] (stride 1), with
 // positions laid out linearly from the first runs' starts, sees exactly what the calls per pair
 // would. In that call a pair's pk - pq is shifted by D, the difference between the linear layout
@@ -256,15 +273,35 @@ class Ring {
     unsigned char* own = workspace_.data() + own_at;
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
     unsigned char* block = workspace_.data() + block_at;
+    kernels::fill(flat(own, device_, 2 * rows_elements(rank_)), 0.0f, stream_);
+
+    // This rank's own block in two halves of its key rows when the ring goes on: one now, the
+    // other while the last hop travels.
+    const int64_t split = steps_ > 1 ? geo_.rows[rank_] / 2 : geo_.rows[rank_];
+    const auto own_part = [&](const Block& keys) {
+      const KeyValues grads = grad_views(own, rank_);
+      for_each_call(
+          rank_,
+          [&](const Block& q, const Block& k, const AttentionParams& params) {
+            attention_backward(rows(q_, q), rows(home_.k, k), rows(home_.v, k), rows(out, q), rows(dout, q),
+                               lse_rows(lse, q), rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
+          },
+          keys);
+    };
 
     prepare_travel();
     std::unique_ptr<CommRequest> grads_in;
     for (int s = 0; s < steps_; ++s) {
-      const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
+      if (s == 0) {
+        own_part({0, split});
+        if (kv_in) kv_in->wait();
+        continue;
+      }
+      const int src = source(s);
       const KeyValues kv = key_values(s);
       unsigned char* carried = partial[s % 2];
-      unsigned char* target = s == 0 ? own : s == 1 ? carried : block;
+      unsigned char* target = s == 1 ? carried : block;
       const KeyValues grads = grad_views(target, src);
       bool computed = false;
       for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
@@ -275,33 +312,31 @@ class Ring {
         attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
                            rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
       });
-      // A block that no pair reached holds zeros: `own` and the partial of step 1 are filled here,
-      // a later step's block is simply not added.
-      if (!computed && s < 2) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+      // A block that no pair reached holds zeros: the partial of step 1 is filled here, a later
+      // step's block is simply not added.
+      if (!computed && s == 1) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
         if (computed) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
-      if (s > 0 && s + 1 < steps_) {
-        const int64_t next_src = source(s + 1);
-        grads_in = comm_.send_recv(transfer(next(), carried, 2 * rows_elements(src) * sizeof(float), prev(),
-                                            partial[(s + 1) % 2], 2 * rows_elements(next_src) * sizeof(float)));
-      }
+      if (s + 1 < steps_) grads_in = pass_grads(carried, src, partial[(s + 1) % 2], source(s + 1), next(), prev());
       if (kv_in) kv_in->wait();
     }
 
     // dK and dV: this rank's own plus the partial that arrives, summed and rounded in one pass. The
-    // partial held last is of block (r - steps + 1) mod P: its last hop takes it home, and this
-    // rank's own arrives from rank (r + steps - 1) mod P.
+    // partial held last is of block (r - steps + 1) mod P: its last hop takes it home, during the
+    // second half of this rank's own block, and this rank's own arrives from rank
+    // (r + steps - 1) mod P.
     const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
     const KeyValues mine = grad_views(own, rank_);
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
       unsigned char* arrived = partial[steps_ % 2];
-      comm_.send_recv(transfer(home, partial[(steps_ - 1) % 2], 2 * rows_elements(home) * sizeof(float), from,
-                               arrived, 2 * rows_elements(rank_) * sizeof(float)))
-          ->wait();
+      const std::unique_ptr<CommRequest> last =
+          pass_grads(partial[(steps_ - 1) % 2], home, arrived, rank_, home, from);
+      own_part({split, geo_.rows[rank_] - split});
+      last->wait();
       const KeyValues others = grad_views(arrived, rank_);
       kernels::add(mine.k, others.k, dk, stream_);
       kernels::add(mine.v, others.v, dv, stream_);
@@ -324,12 +359,13 @@ class Ring {
   // K/V: per group, one call over every pair of this rank's query pieces and `src`'s key pieces
   // that the mask does not leave empty when one call sees what they see (zigzag's steps always),
   // else one call per pair. Fewer, larger calls leave the GPU idle less at their ends.
+  // `keys` limits the calls to those rows of `src`'s (all by default).
   template <typename Fn>
-  void for_each_call(int src, Fn&& fn) const {
+  void for_each_call(int src, Fn&& fn, const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
     for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
       const std::vector<Run>& qs = geo_.runs[rank_][group];
-      const std::vector<Run>& ks = geo_.runs[src][group];
+      const std::vector<Run> ks = clipped(geo_.runs[src][group], keys);
       struct Pair {
         size_t q, k;
         AttentionParams params;
@@ -383,6 +419,8 @@ class Ring {
 
   void prepare_travel() {
     if (steps_ == 1) return;
+    // Messages are one of K, V, dK, dV (fp32 at most) of one rank's rows.
+    comm_.reserve({next(), prev()}, static_cast<size_t>(kv_elements_) * sizeof(float));
     home_send_ = home_;
     if (staging_at_ != kNoStaging) {
       home_send_ = kv_views(workspace_.data() + staging_at_, rank_);
@@ -427,13 +465,23 @@ class Ring {
     return comm_.send_recv(ops);
   }
 
-  // One send and one receive, each left out when empty (both ends know the sizes).
-  static std::vector<P2POp> transfer(int to, const void* send, size_t send_bytes, int from, void* recv,
-                                     size_t recv_bytes) {
+  // Sends the fp32 dK/dV partial of block `block` at `send` to rank `to`, and receives that of
+  // block `incoming` from rank `from` into `recv`: dK and dV as two messages each way (halving the
+  // largest message), each left out when empty (both ends know the sizes).
+  std::unique_ptr<CommRequest> pass_grads(unsigned char* send, int block, unsigned char* recv, int incoming, int to,
+                                          int from) {
+    const size_t send_bytes = static_cast<size_t>(rows_elements(block)) * sizeof(float);
+    const size_t recv_bytes = static_cast<size_t>(rows_elements(incoming)) * sizeof(float);
     std::vector<P2POp> ops;
-    if (send_bytes > 0) ops.push_back(send_op(to, send, send_bytes));
-    if (recv_bytes > 0) ops.push_back(recv_op(from, recv, recv_bytes));
-    return ops;
+    if (send_bytes > 0) {
+      ops.push_back(send_op(to, send, send_bytes));
+      ops.push_back(send_op(to, send + send_bytes, send_bytes));
+    }
+    if (recv_bytes > 0) {
+      ops.push_back(recv_op(from, recv, recv_bytes));
+      ops.push_back(recv_op(from, recv + recv_bytes, recv_bytes));
+    }
+    return comm_.send_recv(ops);
   }
 
   static constexpr size_t kNoStaging = SIZE_MAX;

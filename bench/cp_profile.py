@@ -1,0 +1,184 @@
+"""Where the time of a sequence-parallel call goes on P GPUs, beside the same call on one GPU.
+
+    torchrun --nproc_per_node=P bench/cp_profile.py [--strategy zigzag] [--seqlen 32768]
+        [--heads-kv 32] [--passes fwd,fwd_bwd] [-w 3] [-n 10] [--trace-rank 1] [--out DIR]
+
+The setting is cp_bench.py's (causal, batch 1, 32 query heads, hdim 128, bf16). For ringflash on
+one GPU (t1: flash_attn_func on the whole sequence) and on P (tP: parallel_attention on this
+rank's shard), per pass:
+
+  sync  median ms as cp_bench times it: CUDA events around the call, a synchronize after each;
+  busy  the same, with the GPU held by a sleep kernel while the host enqueues the call, so that
+        only the GPU's own time counts (sync - busy: the host's exposed share);
+  host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
+
+Then one forward+backward of each under torch.profiler on --trace-rank, its GPU work summed by
+kind: attention kernels, NCCL kernels, copies (copy engines), memsets, other kernels (fills, adds,
+dsum, dQ conversion), with the span from the first start to the last end and the time inside the
+span when nothing ran. Rank 0 prints the tables and writes DIR/cp_profile.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import ringflash
+from ringflash.parallel import parallel_attention, shard_positions
+from bench_util import int_list
+from cp_bench import PASSES, Ranks, make_inputs, name_list, pass_fn, shard
+
+SLEEP_CYCLES = 200_000_000  # about 0.1 s at Hopper's clocks: longer than any enqueue measured here
+KINDS = ("attention", "nccl", "copy", "memset", "other")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", default="zigzag")
+    p.add_argument("--seqlen", type=int, default=32768)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads-kv", type=int_list, default=[32])
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("--passes", type=name_list, default=list(PASSES))
+    p.add_argument("-w", "--warmup", type=int, default=3)
+    p.add_argument("-n", "--iters", type=int, default=10)
+    p.add_argument("--trace-rank", type=int, default=1, help="the rank whose GPU work is profiled")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    for name in args.passes:
+        if name not in PASSES:
+            p.error(f"--passes: each must be one of {', '.join(PASSES)}, got {name!r}")
+    return args
+
+
+def timings(fn, inputs, ranks, warmup, iters):
+    """Median (sync ms, busy ms, host ms) of fn over the input sets, every rank at the same time."""
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    sync, busy, host = [], [], []
+    for i in range(iters):
+        args = inputs[i % len(inputs)]
+        ranks.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        sync.append(start.elapsed_time(end))
+        ranks.barrier()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start.record()
+        t = time.perf_counter()
+        fn(*args)
+        host.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        busy.append(start.elapsed_time(end))
+    return statistics.median(sync), statistics.median(busy), statistics.median(host)
+
+
+def kind_of(name):
+    if name.startswith("Memcpy"):
+        return "copy"
+    if name.startswith("Memset"):
+        return "memset"
+    if "nccl" in name.lower():
+        return "nccl"
+    if "forward_kernel" in name or "backward_kernel" in name or "dq_kernel" in name:
+        return "attention"
+    return "other"
+
+
+def gpu_profile(fn, args):
+    """ms of GPU work by kind in one call of fn, the span and the idle time inside it."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    intervals, sums = [], dict.fromkeys(KINDS, 0.0)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        if end <= start:
+            continue
+        intervals.append((start, end))
+        sums[kind_of(e.name)] += (end - start) / 1e3
+    if not intervals:
+        return dict(sums, span=0.0, idle=0.0)
+    intervals.sort()
+    busy, (cur_start, cur_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return dict(sums, span=span / 1e3, idle=(span - busy) / 1e3)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ranks = Ranks()
+    device = ranks.device
+    rows = []
+    for heads_kv in args.heads_kv:
+        sets = [make_inputs(args.seqlen, args.heads, heads_kv, args.hdim, 7 + i, device) for i in range(2)]
+        positions = shard_positions(args.seqlen, args.strategy, device=device).to(device)
+        shard_sets = [shard(s, positions) for s in sets]
+
+        def single(q, k, v):
+            return ringflash.flash_attn_func(q, k, v, causal=True)
+
+        def parallel(q, k, v):
+            return parallel_attention(q, k, v, args.strategy, causal=True)
+
+        for pass_name in args.passes:
+            for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
+                fn = pass_fn(attend, pass_name)
+                sync, busy, host = timings(fn, inputs, ranks, args.warmup, args.iters)
+                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world,
+                           sync_ms=max(ranks.gather(sync)), busy_ms=max(ranks.gather(busy)),
+                           host_ms=max(ranks.gather(host)))
+                if ranks.rank == args.trace_rank:
+                    row["profile"] = gpu_profile(fn, inputs[0])
+                ranks.barrier()
+                rows.append(row)
+        del sets, shard_sets
+        torch.cuda.empty_cache()
+
+    # The trace rank's profiles reach rank 0 through a file in --out when they are different ranks.
+    os.makedirs(args.out, exist_ok=True)
+    if ranks.rank == args.trace_rank:
+        with open(os.path.join(args.out, f"cp_profile_rank{ranks.rank}.json"), "w") as f:
+            json.dump([r.get("profile") for r in rows], f)
+    ranks.barrier()
+    if ranks.rank == 0:
+        with open(os.path.join(args.out, f"cp_profile_rank{args.trace_rank}.json")) as f:
+            for row, prof in zip(rows, json.load(f)):
+                row["profile"] = prof
+        with open(os.path.join(args.out, "cp_profile.json"), "w") as f:
+            json.dump(dict(strategy=args.strategy, seqlen=args.seqlen, world=ranks.world, rows=rows), f, indent=1)
+        print(f"\n### cp_profile: {args.strategy}, S {args.seqlen}, {ranks.world} x "
+              f"{torch.cuda.get_device_name(device)}; ms; the profile is rank {args.trace_rank}'s")
+        print(f"{'hkv':>4} {'pass':>7} {'P':>2} | {'sync':>7} {'busy':>7} {'host':>6} | "
+              + " ".join(f"{k:>9}" for k in KINDS) + f" | {'span':>7} {'idle':>6}")
+        for r in rows:
+            p = r["profile"]
+            print(f"{r['heads_kv']:>4} {r['pass_name']:>7} {r['world']:>2} | {r['sync_ms']:7.2f} {r['busy_ms']:7.2f} "
+                  f"{r['host_ms']:6.2f} | " + " ".join(f"{p[k]:9.2f}" for k in KINDS)
+                  + f" | {p['span']:7.2f} {p['idle']:6.2f}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
