@@ -95,21 +95,23 @@ def kind_of(name):
     return "other"
 
 
-def gpu_profile(fn, args):
-    """ms of GPU work by kind in one call of fn, the span and the idle time inside it."""
+def gpu_profile(fn, args, trace_path):
+    """ms of GPU work by kind in one call of fn, the span and the idle time inside it (from the
+    profiler's trace: kernels, copies and memsets on every stream)."""
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*args)
         torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
     intervals, sums = [], dict.fromkeys(KINDS, 0.0)
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not e.get("dur"):
             continue
-        start, end = e.time_range.start, e.time_range.end
-        if end <= start:
-            continue
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         intervals.append((start, end))
-        sums[kind_of(e.name)] += (end - start) / 1e3
+        sums[kind_of(e.get("name", ""))] += (end - start) / 1e3
     if not intervals:
         return dict(sums, span=0.0, idle=0.0)
     intervals.sort()
@@ -148,8 +150,14 @@ def main(argv=None):
                 row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world,
                            sync_ms=max(ranks.gather(sync)), busy_ms=max(ranks.gather(busy)),
                            host_ms=max(ranks.gather(host)))
+                ranks.barrier()
                 if ranks.rank == args.trace_rank:
-                    row["profile"] = gpu_profile(fn, inputs[0])
+                    trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}.json")
+                    os.makedirs(args.out, exist_ok=True)
+                    row["profile"] = gpu_profile(fn, inputs[0], trace)
+                else:  # the other ranks take part in the same call
+                    fn(*inputs[0])
+                    torch.cuda.synchronize()
                 ranks.barrier()
                 rows.append(row)
         del sets, shard_sets
