@@ -50,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("--trace-rank", type=int, default=1, help="the rank whose GPU work is profiled")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--timeline", action="store_true",
+                   help="also print every GPU activity of the profiled P-GPU calls, in order of start")
     args = p.parse_args(argv)
     for name in args.passes:
         if name not in PASSES:
@@ -95,9 +97,16 @@ def kind_of(name):
     return "other"
 
 
+def short_name(name):
+    """A kernel's name without its template arguments and namespaces."""
+    name = name.split("<")[0].split("(")[0]
+    return name.replace("void ", "").split("::")[-1][:40]
+
+
 def gpu_profile(fn, args, trace_path):
     """ms of GPU work by kind in one call of fn, the span and the idle time inside it (from the
-    profiler's trace: kernels, copies and memsets on every stream)."""
+    profiler's trace: kernels, copies and memsets on every stream), and the activities themselves
+    (start and duration in ms from the first start, stream, kind, name)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(*args)
@@ -105,15 +114,19 @@ def gpu_profile(fn, args, trace_path):
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
-    intervals, sums = [], dict.fromkeys(KINDS, 0.0)
+    intervals, sums, activities = [], dict.fromkeys(KINDS, 0.0), []
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not e.get("dur"):
             continue
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         intervals.append((start, end))
-        sums[kind_of(e.get("name", ""))] += (end - start) / 1e3
+        kind = kind_of(e.get("name", ""))
+        sums[kind] += (end - start) / 1e3
+        activities.append((start, end - start, e.get("tid"), kind, short_name(e.get("name", ""))))
     if not intervals:
-        return dict(sums, span=0.0, idle=0.0)
+        return dict(sums, span=0.0, idle=0.0, activities=[])
+    first = min(start for start, _ in intervals)
+    activities = [(round((a[0] - first) / 1e3, 3), round(a[1] / 1e3, 3), *a[2:]) for a in sorted(activities)]
     intervals.sort()
     busy, (cur_start, cur_end) = 0.0, intervals[0]
     for start, end in intervals[1:]:
@@ -124,7 +137,7 @@ def gpu_profile(fn, args, trace_path):
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     span = max(end for _, end in intervals) - intervals[0][0]
-    return dict(sums, span=span / 1e3, idle=(span - busy) / 1e3)
+    return dict(sums, span=span / 1e3, idle=(span - busy) / 1e3, activities=activities)
 
 
 def main(argv=None):
@@ -184,6 +197,13 @@ def main(argv=None):
             print(f"{r['heads_kv']:>4} {r['pass_name']:>7} {r['world']:>2} | {r['sync_ms']:7.2f} {r['busy_ms']:7.2f} "
                   f"{r['host_ms']:6.2f} | " + " ".join(f"{p[k]:9.2f}" for k in KINDS)
                   + f" | {p['span']:7.2f} {p['idle']:6.2f}", flush=True)
+        for r in rows if args.timeline else []:
+            if r["world"] == 1:
+                continue
+            print(f"\n### timeline: hkv {r['heads_kv']}, {r['pass_name']}, P {r['world']} (rank {args.trace_rank}): "
+                  "start ms, ms, stream, kind, name")
+            for start, ms, stream, kind, name in r["profile"]["activities"]:
+                print(f"{start:8.3f} {ms:7.3f} {str(stream):>6} {kind:>9} {name}")
     dist.destroy_process_group()
     return 0
 
