@@ -83,16 +83,6 @@ class Communicator {
   // once; the buffers stay in use until the request completes.
   virtual std::unique_ptr<CommRequest> send_recv(const std::vector<P2POp>& ops) = 0;
 
-  // A hint before send_recv calls whose messages with `peers` (ranks of this communicator) are at
-  // most `message_bytes` each: a transport that stages messages (nccl, between the GPUs of one
-  // host) sizes its buffers for them, once, so that those messages take its fastest path. Every
-  // peer named makes the same call, naming this rank, at the same point of its calls. It may wait
-  // for this rank's earlier messages with them. The other transports ignore it.
-  virtual void reserve(const std::vector<int>& peers, size_t message_bytes) {
-    (void)peers;
-    (void)message_bytes;
-  }
-
   // Rank i sends send_bytes[j] bytes from send + send_offsets[j] to rank j, and receives
   // recv_bytes[j] bytes from rank j at recv + recv_offsets[j] (uneven splits). Blocking.
   virtual void all_to_all(const void* send, const std::vector<size_t>& send_bytes,
@@ -133,12 +123,9 @@ class Communicator {
   // (CommRequest::wait and the blocking collectives). Collectives count what their messages
   // count: all_gather sends bytes[rank] to each other rank, reduce_scatter counts[j] floats to each
   // other rank j; split counts its exchange of (color, key).
-  // bytes_copied: of bytes_sent, what the GPUs' copy engines moved (nccl between the GPUs of one
-  // host; see nccl_communicator).
   struct Stats {
     uint64_t bytes_sent = 0;
     double wait_seconds = 0.0;
-    uint64_t bytes_copied = 0;
   };
   Stats stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }
@@ -201,11 +188,6 @@ NcclUniqueId nccl_unique_id();
 // error, and the calls that follow throw CommError. fail() aborts them too; peers learn of it only
 // by their deadlines. Operations captured into a CUDA graph have no deadline. Throws NotSupported
 // if this build has no NCCL.
-// Between ranks whose GPUs are on one host and can map each other's memory (CUDA IPC), device
-// messages that fit the slots that reserve() sized move by the GPUs' copy engines, which take no
-// SM from the kernels they overlap; the rest by NCCL's kernels. The slots cost 2 x the reserved
-// message size of device memory per peer, up to RINGFLASH_PEER_COPY_MB MiB a message (default
-// 1024); RINGFLASH_PEER_COPY=0 leaves every message to NCCL.
 std::unique_ptr<Communicator> nccl_communicator(const NcclUniqueId& id, int rank, int size, int device,
                                                 std::chrono::milliseconds timeout = std::chrono::minutes(5));
 

@@ -89,13 +89,6 @@ class GroupView final : public Communicator {
 
   void fail(const std::string& reason) override { parent_->fail(reason); }
 
-  void reserve(const std::vector<int>& peers, size_t message_bytes) override {
-    std::vector<int> translated;
-    for (int peer : peers)
-      if (peer >= 0 && peer < size()) translated.push_back(ranks_[static_cast<size_t>(peer)]);
-    parent_->reserve(translated, message_bytes);
-  }
-
  private:
   // Counts the waiting time in the view's stats as well as the parent's.
   class Request final : public CommRequest {
@@ -285,13 +278,8 @@ void init_comm(nb::module_& m) {
           },
           "data"_a, "Collective: every rank's bytes (of any length), in rank order.")
       .def(
-          "stats",
-          [](const CommHandle& c) {
-            const Communicator::Stats s = c.comm->stats();
-            return std::make_tuple(s.bytes_sent, s.wait_seconds, s.bytes_copied);
-          },
-          "(bytes sent, seconds spent waiting, bytes of those sent that the GPUs' copy engines moved) since "
-          "the last reset_stats().")
+          "stats", [](const CommHandle& c) { return std::make_tuple(c.comm->stats().bytes_sent, c.comm->stats().wait_seconds); },
+          "(bytes sent, seconds spent waiting) since the last reset_stats().")
       .def("reset_stats", [](CommHandle& c) { c.comm->reset_stats(); })
       .def_prop_ro("stream_ordered", [](const CommHandle& c) { return c.comm->stream_ordered(); },
                    "Whether operations are enqueued on a CUDA stream rather than finished before returning (nccl).")

@@ -294,7 +294,11 @@ class Ring {
     for (int s = 0; s < steps_; ++s) {
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       if (s == 0) {
+        // Step 1's partial starts at zero: filled beside the first half of this rank's own block.
+        kernels::SideStream side(device_, stream_);
+        if (steps_ > 1) kernels::fill(flat(partial[1], device_, 2 * rows_elements(source(1))), 0.0f, side.get());
         own_part({0, split});
+        side.join();
         if (kv_in) kv_in->wait();
         continue;
       }
@@ -305,16 +309,12 @@ class Ring {
       const KeyValues grads = grad_views(target, src);
       bool computed = false;
       for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
-        if (!computed) {
-          kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
-          computed = true;
-        }
+        if (!computed && s > 1) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+        computed = true;
         attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
                            rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
       });
-      // A block that no pair reached holds zeros: the partial of step 1 is filled here, a later
-      // step's block is simply not added.
-      if (!computed && s == 1) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+      // A later step's block that no pair reached is simply not added.
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
@@ -419,8 +419,6 @@ class Ring {
 
   void prepare_travel() {
     if (steps_ == 1) return;
-    // Messages are one of K, V, dK, dV (fp32 at most) of one rank's rows.
-    comm_.reserve({next(), prev()}, static_cast<size_t>(kv_elements_) * sizeof(float));
     home_send_ = home_;
     if (staging_at_ != kNoStaging) {
       home_send_ = kv_views(workspace_.data() + staging_at_, rank_);
@@ -465,22 +463,16 @@ class Ring {
     return comm_.send_recv(ops);
   }
 
-  // Sends the fp32 dK/dV partial of block `block` at `send` to rank `to`, and receives that of
-  // block `incoming` from rank `from` into `recv`: dK and dV as two messages each way (halving the
-  // largest message), each left out when empty (both ends know the sizes).
+  // Sends the fp32 dK/dV partial ([dk | dv]) of block `block` at `send` to rank `to`, and receives
+  // that of block `incoming` from rank `from` into `recv`; each left out when empty (both ends know
+  // the sizes).
   std::unique_ptr<CommRequest> pass_grads(unsigned char* send, int block, unsigned char* recv, int incoming, int to,
                                           int from) {
-    const size_t send_bytes = static_cast<size_t>(rows_elements(block)) * sizeof(float);
-    const size_t recv_bytes = static_cast<size_t>(rows_elements(incoming)) * sizeof(float);
+    const size_t send_bytes = static_cast<size_t>(2 * rows_elements(block)) * sizeof(float);
+    const size_t recv_bytes = static_cast<size_t>(2 * rows_elements(incoming)) * sizeof(float);
     std::vector<P2POp> ops;
-    if (send_bytes > 0) {
-      ops.push_back(send_op(to, send, send_bytes));
-      ops.push_back(send_op(to, send + send_bytes, send_bytes));
-    }
-    if (recv_bytes > 0) {
-      ops.push_back(recv_op(from, recv, recv_bytes));
-      ops.push_back(recv_op(from, recv + recv_bytes, recv_bytes));
-    }
+    if (send_bytes > 0) ops.push_back(send_op(to, send, send_bytes));
+    if (recv_bytes > 0) ops.push_back(recv_op(from, recv, recv_bytes));
     return comm_.send_recv(ops);
   }
 

@@ -36,7 +36,6 @@
 #include "../../core/backends.h"
 #include "../../core/check.h"
 #include "../../kernels/cuda/check.h"
-#include "peer_copy.h"
 #include "ringflash/comm.h"
 #include "ringflash/errors.h"
 
@@ -55,7 +54,6 @@ std::string describe() {
 
 namespace {
 
-using comm::nccl::PeerCopy;
 using core::str_cat;
 using Clock = std::chrono::steady_clock;
 
@@ -109,16 +107,13 @@ class World {
     if (!failure_.empty()) throw CommError(failure_);
   }
 
-  // Records `reason` (the first one wins), aborts every NCCL communicator and releases the
-  // copy-engine paths' waits (again at every watchdog tick, until the world ends). Callers hold
-  // mutex().
+  // Records `reason` (the first one wins) and aborts every NCCL communicator. Callers hold mutex().
   void fail_locked(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
     for (ncclComm_t& c : comms_) {
       if (c) ncclCommAbort(c);
       c = nullptr;
     }
-    for (PeerCopy* p : peer_copies_) p->release();
   }
   void fail(const std::string& reason) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -133,16 +128,6 @@ class World {
       if (c == comm) return &c;
     comms_.push_back(comm);
     return &comms_.back();
-  }
-
-  // The copy-engine paths to release on failure; a path leaves before it is destroyed.
-  void add(PeerCopy* p) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peer_copies_.push_back(p);
-  }
-  void remove(PeerCopy* p) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peer_copies_.erase(std::remove(peer_copies_.begin(), peer_copies_.end(), p), peer_copies_.end());
   }
 
   // Watches `done` (recorded on a comm stream) until it completes; `error` is the failure if it
@@ -168,10 +153,7 @@ class World {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, kWatchdogInterval);
-      if (!failure_.empty()) {
-        for (PeerCopy* p : peer_copies_) p->release();
-        continue;
-      }
+      if (!failure_.empty()) continue;
       const Clock::time_point now = Clock::now();
       for (auto it = pending_.begin(); it != pending_.end();) {
         const cudaError_t rc = cudaEventQuery(it->done);
@@ -201,7 +183,6 @@ class World {
   std::string failure_;
   std::list<ncclComm_t> comms_;  // a list: slots stay where they are
   std::list<Pending> pending_;
-  std::vector<PeerCopy*> peer_copies_;
   std::thread watchdog_;  // last: starts once the rest is built
 };
 
@@ -355,27 +336,25 @@ class Launch {
   cudaEvent_t done_ = nullptr;
 };
 
-// Device-memory messages in flight: wait() makes the stream of the call wait for them (the NCCL
-// group, if any, and the events recorded after the copy engines' part, if any).
+// Device-memory messages in flight: wait() makes the stream of the call wait for them.
 class StreamRequest : public CommRequest {
  public:
-  StreamRequest(std::shared_ptr<World> world, std::shared_ptr<Launch> launch, std::vector<cudaEvent_t> copies,
-                cudaStream_t stream, int device)
-      : world_(std::move(world)), launch_(std::move(launch)), copies_(std::move(copies)), stream_(stream),
-        device_(device) {}
+  StreamRequest(std::shared_ptr<World> world, std::shared_ptr<Launch> launch, cudaStream_t stream, int device)
+      : world_(std::move(world)), launch_(std::move(launch)), stream_(stream), device_(device) {}
   ~StreamRequest() override {
-    if (!launch_ && copies_.empty()) return;
+    if (!launch_) return;
     const cuda::QuietDeviceGuard guard(device_);
     try {
-      if (launch_) launch_->land();
+      launch_->land();
     } catch (...) {  // the world has failed; there is nothing to join
     }
     join();
   }
   void wait() override {
-    if (launch_ || !copies_.empty()) {
+    if (!launch_) return world_->throw_if_failed();
+    {
       cuda::DeviceGuard guard(device_);
-      if (launch_) launch_->land();
+      launch_->land();
       join();
     }
     world_->throw_if_failed();
@@ -383,18 +362,12 @@ class StreamRequest : public CommRequest {
 
  private:
   void join() noexcept {
-    if (launch_ && launch_->done()) cudaStreamWaitEvent(stream_, launch_->done(), 0);
+    if (launch_->done()) cudaStreamWaitEvent(stream_, launch_->done(), 0);
     launch_.reset();
-    for (cudaEvent_t e : copies_) {
-      cudaStreamWaitEvent(stream_, e, 0);
-      cudaEventDestroy(e);
-    }
-    copies_.clear();
   }
 
   std::shared_ptr<World> world_;
   std::shared_ptr<Launch> launch_;
-  std::vector<cudaEvent_t> copies_;
   cudaStream_t stream_;
   int device_;
 };
@@ -422,17 +395,6 @@ class NcclCommunicator : public Communicator {
     } catch (...) {  // the world has failed: close() aborts
     }
     const Clock::time_point deadline = Clock::now() + timeout_;
-    if (peer_copy_) {
-      // Its messages in flight end first (released if the world fails meanwhile).
-      for (cudaStream_t s : peer_copy_->streams()) {
-        cudaEvent_t done = nullptr;
-        if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) break;
-        if (cudaEventRecord(done, s) == cudaSuccess) poll(done, deadline, "");
-        cudaEventDestroy(done);
-      }
-      world_->remove(peer_copy_.get());
-      peer_copy_.reset();
-    }
     control_.close(deadline);  // split from data_: closed first
     data_.close(deadline);
     if (staging_) cudaFree(staging_);
@@ -461,7 +423,6 @@ class NcclCommunicator : public Communicator {
                                                     static_cast<int>(members.size()), device_, timeout_);
     child->data_.settle(prefix, deadline, late);
     child->control_.settle(prefix, deadline, late);
-    child->connect_peers();
     return child;
   }
 
@@ -537,44 +498,6 @@ class NcclCommunicator : public Communicator {
     exchange_host("barrier", ops);
   }
 
-  // Grows the copy engines' message slots with `peers` (nothing under graph capture, where the
-  // slots stay as the eager calls left them, nor where no peer is on this host).
-  void reserve(const std::vector<int>& peers, size_t message_bytes) override {
-    world_->throw_if_failed();
-    if (!peer_copy_) return;
-    cuda::DeviceGuard guard(device_);
-    if (is_capturing(static_cast<cudaStream_t>(stream_))) return;
-    const Clock::time_point deadline = Clock::now() + timeout_;
-    const auto exchange = [&](const std::vector<P2POp>& ops) { exchange_host("reserve", ops); };
-    const std::string late =
-        str_cat(prefix("reserve"), "earlier messages did not complete within ", seconds(timeout_), " s");
-    const auto drain = [&](cudaStream_t s) {
-      cudaEvent_t done = record(s);
-      const std::string error = poll(done, deadline, late);
-      cudaEventDestroy(done);
-      if (!error.empty()) world_->fail(error);
-      world_->throw_if_failed();
-    };
-    try {
-      peer_copy_->reserve(peers, message_bytes, exchange, drain);
-    } catch (const CommError& e) {
-      world_->fail(e.what());
-      throw;
-    }
-  }
-
-  // Sets up the copy-engine path to the peers on this host (collective). RINGFLASH_PEER_COPY=0
-  // leaves every message to NCCL.
-  void connect_peers() {
-    if (size_ == 1) return;
-    cuda::DeviceGuard guard(device_);
-    auto copy = std::make_unique<PeerCopy>(rank_, size_, device_,
-                                           [&](const std::vector<P2POp>& ops) { exchange_host("connect", ops); });
-    if (!copy->any()) return;
-    peer_copy_ = std::move(copy);
-    world_->add(peer_copy_.get());
-  }
-
   // Aborts the world's NCCL communicators: this rank's peers see it only by their deadlines.
   void fail(const std::string& reason) override { world_->fail(reason); }
 
@@ -587,10 +510,7 @@ class NcclCommunicator : public Communicator {
     const std::string late =
         str_cat(prefix("synchronize"), "operations in flight did not complete within ", seconds(timeout_), " s");
     land_posted();
-    std::vector<cudaStream_t> streams{comm_stream_};
-    if (peer_copy_) for (cudaStream_t s : peer_copy_->streams()) streams.push_back(s);
-    streams.push_back(static_cast<cudaStream_t>(stream_));
-    for (cudaStream_t s : streams) {
+    for (cudaStream_t s : {comm_stream_, static_cast<cudaStream_t>(stream_)}) {
       cudaEvent_t done = record(s);
       const std::string error = poll(done, deadline, late);
       cudaEventDestroy(done);
@@ -647,43 +567,25 @@ class NcclCommunicator : public Communicator {
     return str_cat(prefix(op), "no message from ", peers_of(ops, rank_), " within ", seconds(timeout_), " s");
   }
 
-  // Device memory: the messages that the copy engines carry (peer_copy.h) go on their streams, the
-  // rest in one NCCL group on the comm stream; both start after the work on stream(), and the
-  // request joins them back, without waiting for the group to land. The watchdog holds the
+  // Device memory: forks the comm stream from stream(), posts the group on it, and returns the
+  // request that joins it back, without waiting for the group to land. The watchdog holds the
   // deadline (none under graph capture).
   std::unique_ptr<CommRequest> post(const char* op, const std::vector<P2POp>& ops) {
     land_posted();
     const auto stream = static_cast<cudaStream_t>(stream_);
-    const bool watched = !is_capturing(stream);
+    cudaEvent_t ready = record(stream);
+    RINGFLASH_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready, 0));
+    cudaEventDestroy(ready);
     const Clock::time_point deadline = Clock::now() + timeout_;
-    std::vector<P2POp> copied, grouped;
-    if (peer_copy_) peer_copy_->split(ops, copied, grouped);
-    else grouped = ops;
-
-    std::vector<cudaEvent_t> copies;
-    for (const P2POp& o : copied)
-      if (o.kind == P2POp::Kind::kSend && o.peer != rank_) stats_.bytes_copied += o.bytes;
-    if (!copied.empty()) {
-      for (cudaStream_t s : peer_copy_->post(copied, stream)) {
-        copies.push_back(record(s));
-        if (watched) world_->watch(record(s), deadline, no_message(op, copied));  // the watchdog destroys its own
-      }
-    }
-    std::shared_ptr<Launch> launch;
-    if (std::any_of(grouped.begin(), grouped.end(), [](const P2POp& o) { return o.bytes > 0; })) {
-      cudaEvent_t ready = record(stream);
-      RINGFLASH_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready, 0));
-      cudaEventDestroy(ready);
-      launch = std::make_shared<Launch>(world_, data_, comm_stream_, prefix(op), no_message(op, grouped), deadline,
-                                        watched);
-      data_.issue(prefix(op), [&](ncclComm_t c) {
-        ncclGroupStart();
-        enqueue(c, grouped, comm_stream_);
-        return ncclGroupEnd();
-      });
-      posted_ = launch;
-    }
-    return std::make_unique<StreamRequest>(world_, std::move(launch), std::move(copies), stream, device_);
+    auto launch = std::make_shared<Launch>(world_, data_, comm_stream_, prefix(op), no_message(op, ops), deadline,
+                                           !is_capturing(stream));
+    data_.issue(prefix(op), [&](ncclComm_t c) {
+      ncclGroupStart();
+      enqueue(c, ops, comm_stream_);
+      return ncclGroupEnd();
+    });
+    posted_ = launch;
+    return std::make_unique<StreamRequest>(world_, std::move(launch), stream, device_);
   }
 
   // Lands the last group posted, if its request has not: the data channel takes no other call, and
@@ -748,7 +650,6 @@ class NcclCommunicator : public Communicator {
   const int rank_, size_, device_;
   cudaStream_t comm_stream_ = nullptr, control_stream_ = nullptr;
   std::shared_ptr<Launch> posted_;  // the last group posted on data_, until it lands
-  std::unique_ptr<PeerCopy> peer_copy_;  // null where no peer is on this host
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
 };
@@ -790,9 +691,7 @@ std::unique_ptr<Communicator> nccl_communicator(const NcclUniqueId& id, int rank
   first.settle(prefix, deadline, late);
   first.run(prefix, deadline, late, [&](ncclComm_t c) { return ncclCommSplit(c, 0, rank, &control, &config); });
   Channel(world, control).settle(prefix, deadline, late);
-  auto comm = std::make_unique<NcclCommunicator>(world, data, control, rank, size, device, timeout);
-  comm->connect_peers();
-  return comm;
+  return std::make_unique<NcclCommunicator>(world, data, control, rank, size, device, timeout);
 }
 
 std::unique_ptr<Communicator> nccl_communicator(Communicator& bootstrap, int device) {

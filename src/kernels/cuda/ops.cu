@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -184,6 +185,12 @@ void elementwise(const ElementwiseArgs& a) {
   DeviceGuard guard(a.device);
   switch (a.op) {
     case ElementwiseOp::kFill:
+      // Zeros in a contiguous view (all bits zero in every float dtype): a memset.
+      if (a.value == 0.0f && !std::signbit(a.value) && a.ndim == 1 && a.dst_stride[0] == 1) {
+        RINGFLASH_CUDA_CHECK(cudaMemsetAsync(a.dst, 0, static_cast<size_t>(a.numel) * dtype_size(a.dst_dtype),
+                                             static_cast<cudaStream_t>(a.stream)));
+        return;
+      }
       return with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kFill, decltype(d), decltype(d)>(a); });
     case ElementwiseOp::kAdd:
       return with_float(a.dst_dtype, [&](auto d) { launch<ElementwiseOp::kAdd, float, decltype(d)>(a); });
@@ -230,6 +237,35 @@ void* allocate(int device, size_t bytes, void* stream) {
 void release(int device, void* data, void* stream) noexcept {
   const QuietDeviceGuard guard(device);
   cudaFreeAsync(data, static_cast<cudaStream_t>(stream));
+}
+
+// One side stream per device, made on first use.
+void* fork(int device, void* stream) {
+  constexpr int kMaxDevices = 64;
+  static std::mutex mutex;
+  static cudaStream_t sides[kMaxDevices] = {};
+  RINGFLASH_CHECK(device >= 0 && device < kMaxDevices, InvalidArgument, "[SideStream] CUDA device index must be in [0, ",
+                  kMaxDevices, "), got ", device);
+  DeviceGuard guard(device);
+  cudaStream_t side = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!sides[device]) RINGFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&sides[device], cudaStreamNonBlocking));
+    side = sides[device];
+  }
+  join(device, stream, side);
+  return side;
+}
+
+void join(int device, void* from, void* into) {
+  DeviceGuard guard(device);
+  cudaEvent_t done = nullptr;
+  RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(done, static_cast<cudaStream_t>(from));
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(static_cast<cudaStream_t>(into), done, 0) : recorded;
+  cudaEventDestroy(done);
+  RINGFLASH_CUDA_CHECK(waited);
 }
 
 }  // namespace ringflash::cuda
