@@ -17,11 +17,9 @@
 // and every sequence is a group of its own.
 #include <algorithm>
 #include <cstddef>
-#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <optional>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -280,18 +278,15 @@ class Ring {
     // This rank's own block in two halves of its key rows when the ring goes on: one now, the
     // other while the last hop travels.
     const int64_t split = steps_ > 1 ? geo_.rows[rank_] / 2 : geo_.rows[rank_];
-    const char* by = std::getenv("RINGFLASH_RING_OWN_SPLIT");  // experiment: "queries" or keys
-    const bool by_queries = by && std::string(by) == "queries";
-    const auto own_part = [&](const Block& part) {
+    const auto own_part = [&](const Block& keys) {
       const KeyValues grads = grad_views(own, rank_);
-      const Block all{0, std::numeric_limits<int64_t>::max()};
       for_each_call(
           rank_,
           [&](const Block& q, const Block& k, const AttentionParams& params) {
             attention_backward(rows(q_, q), rows(home_.k, k), rows(home_.v, k), rows(out, q), rows(dout, q),
                                lse_rows(lse, q), rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
           },
-          by_queries ? part : all, by_queries ? all : part);
+          keys);
     };
 
     prepare_travel();
@@ -366,11 +361,10 @@ class Ring {
   // else one call per pair. Fewer, larger calls leave the GPU idle less at their ends.
   // `keys` limits the calls to those rows of `src`'s (all by default).
   template <typename Fn>
-  void for_each_call(int src, Fn&& fn, const Block& queries = {0, std::numeric_limits<int64_t>::max()},
-                     const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
+  void for_each_call(int src, Fn&& fn, const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
     for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
-      const std::vector<Run> qs = clipped(geo_.runs[rank_][group], queries);
+      const std::vector<Run>& qs = geo_.runs[rank_][group];
       const std::vector<Run> ks = clipped(geo_.runs[src][group], keys);
       struct Pair {
         size_t q, k;
