@@ -100,20 +100,14 @@ def kind_of(name):
 def short_name(name):
     """A kernel's name without its template arguments and namespaces."""
     name = name.split("<")[0].split("(")[0]
-    return name.replace("void ", "").split("::")[-1][:40]
+    return name.replace("void ", "").split("::")[-1].strip()[:40]
 
 
-def gpu_profile(fn, args, trace_path):
-    """ms of GPU work by kind in one call of fn, the span and the idle time inside it (from the
-    profiler's trace: kernels, copies and memsets on every stream), and the activities themselves
-    (start and duration in ms from the first start, stream, kind, name)."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(trace_path)
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
+def summarize(events):
+    """ms of GPU work by kind among a chrome trace's events (kernels, copies and memsets on every
+    stream), the span from the first start to the last end, the time inside it when nothing ran,
+    and the activities themselves (start and duration in ms from the first start, stream, kind,
+    name), in order of start."""
     intervals, sums, activities = [], dict.fromkeys(KINDS, 0.0), []
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not e.get("dur"):
@@ -125,9 +119,9 @@ def gpu_profile(fn, args, trace_path):
         activities.append((start, end - start, e.get("tid"), kind, short_name(e.get("name", ""))))
     if not intervals:
         return dict(sums, span=0.0, idle=0.0, activities=[])
-    first = min(start for start, _ in intervals)
-    activities = [(round((a[0] - first) / 1e3, 3), round(a[1] / 1e3, 3), *a[2:]) for a in sorted(activities)]
     intervals.sort()
+    first = intervals[0][0]
+    activities = [(round((a[0] - first) / 1e3, 3), round(a[1] / 1e3, 3), *a[2:]) for a in sorted(activities)]
     busy, (cur_start, cur_end) = 0.0, intervals[0]
     for start, end in intervals[1:]:
         if start > cur_end:
@@ -136,8 +130,19 @@ def gpu_profile(fn, args, trace_path):
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    span = max(end for _, end in intervals) - intervals[0][0]
+    span = max(end for _, end in intervals) - first
     return dict(sums, span=span / 1e3, idle=(span - busy) / 1e3, activities=activities)
+
+
+def gpu_profile(fn, args, trace_path):
+    """summarize() of one call of fn under torch.profiler (its trace written to trace_path)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        return summarize(json.load(f)["traceEvents"])
 
 
 def main(argv=None):
