@@ -7,7 +7,9 @@ The setting is cp_bench.py's (causal, batch 1, 32 query heads, hdim 128, bf16). 
 one GPU (t1: flash_attn_func on the whole sequence) and on P (tP: parallel_attention on this
 rank's shard), per pass:
 
-  sync  median ms as cp_bench times it: CUDA events around the call, a synchronize after each;
+  sync  median ms of the call between CUDA events, a synchronize after it, with a barrier of all
+        ranks before it (cp_bench and the peer time calls back to back, without the barrier: at
+        zigzag 32k that measured about 1.5 ms more on 2 x H100);
   busy  the same, with the GPU held by a sleep kernel while the host enqueues the call, so that
         only the GPU's own time counts (sync - busy: the host's exposed share);
   host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
@@ -149,6 +151,7 @@ def main(argv=None):
     args = parse_args(argv)
     ranks = Ranks()
     device = ranks.device
+    os.makedirs(args.out, exist_ok=True)
     rows = []
     for heads_kv in args.heads_kv:
         sets = [make_inputs(args.seqlen, args.heads, heads_kv, args.hdim, 7 + i, device) for i in range(2)]
@@ -171,7 +174,6 @@ def main(argv=None):
                 ranks.barrier()
                 if ranks.rank == args.trace_rank:
                     trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}.json")
-                    os.makedirs(args.out, exist_ok=True)
                     row["profile"] = gpu_profile(fn, inputs[0], trace)
                 else:  # the other ranks take part in the same call
                     fn(*inputs[0])
@@ -182,7 +184,6 @@ def main(argv=None):
         torch.cuda.empty_cache()
 
     # The trace rank's profiles reach rank 0 through a file in --out when they are different ranks.
-    os.makedirs(args.out, exist_ok=True)
     if ranks.rank == args.trace_rank:
         with open(os.path.join(args.out, f"cp_profile_rank{ranks.rank}.json"), "w") as f:
             json.dump([r.get("profile") for r in rows], f)
