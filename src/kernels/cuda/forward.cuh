@@ -130,47 +130,79 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&
 // Normalises a warp's output rows and writes them with their lse, or merges them into the fp32
 // accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
 // warp_row0 + 16 mt + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2.
+//
+// The merge loads the old values of its rows before it stores any of them, so that the loads are in
+// flight together: loads between stores (and head-dim checks) wait for memory one after another,
+// which cost the sm_90a forward 6-8 % in accumulate mode at 4k-16k rows (docs/decisions.md).
 template <typename T, int kMT, int kDT>
 __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, const core::Sequence& seq,
                                              int64_t q0, int rows, const float (&o)[kMT][kDT][4],
                                              const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
                                              int lane, int warp_row0) {
   const core::AttentionArgs& a = p.a;
+  const int col = (lane % 4) * 2;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < kMT; ++mt) {
+    float lse[2], inv[2];
+    int64_t row[2];
+    bool live[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float sum = quad_sum(row_sum[mt][half]);
-      const float lse = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      lse[half] = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
+      inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
-      if (r >= rows) continue;
-      const int64_t row = seq.row_q + q0 + r;
-      float* lse_ptr = a.lse + p.lse_index(b, h, row);
-      if (!a.accumulate) {
-        T* out = row_ptr<T>(a.out, b, row, h);
+      live[half] = r < rows;
+      row[half] = seq.row_q + q0 + r;
+    }
+    if (!a.accumulate) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (!live[half]) continue;
+        T* out = row_ptr<T>(a.out, b, row[half], h) + col;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt)
           if (dt * 8 < a.head_dim)
-            *reinterpret_cast<uint32_t*>(out + dt * 8 + (lane % 4) * 2) =
-              Mma<T>::pack(o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
-        if (lane % 4 == 0) *lse_ptr = lse;
-      } else {
-        float* out = row_ptr<float>(a.out, b, row, h);
-        const core::MergeWeights w = core::merge_weights(*lse_ptr, lse);
-        const float w_blk = w.w_blk * inv;
+            *reinterpret_cast<uint32_t*>(out + dt * 8) =
+              Mma<T>::pack(o[mt][dt][2 * half] * inv[half], o[mt][dt][2 * half + 1] * inv[half]);
+        if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = lse[half];
+      }
+      continue;
+    }
+    // Both halves' old values together where they fit in registers beside o (head dim <= 128).
+    constexpr int kTogether = kDT <= 16 ? 2 : 1;
 #pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          if (dt * 8 >= a.head_dim) break;
-          float2* at2 = reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2);
-          const float2 old = *at2;
-          *at2 = make_float2(w.w_acc * old.x + w_blk * o[mt][dt][2 * half],
-                             w.w_acc * old.y + w_blk * o[mt][dt][2 * half + 1]);
-        }
-        __syncwarp(0xfu << (lane & ~3));  // the quad has read the old lse before it is replaced
-        if (lane % 4 == 0) *lse_ptr = w.lse;
+    for (int first = 0; first < 2; first += kTogether) {
+      float old_lse[kTogether] = {};
+      float2 old[kTogether][kDT] = {};
+#pragma unroll
+      for (int i = 0; i < kTogether; ++i) {
+        const int half = first + i;
+        if (!live[half]) continue;
+        old_lse[i] = a.lse[p.lse_index(b, h, row[half])];
+        const float* out = row_ptr<float>(a.out, b, row[half], h) + col;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          if (dt * 8 < a.head_dim) old[i][dt] = *reinterpret_cast<const float2*>(out + dt * 8);
+      }
+      __syncwarp();  // each quad has read its rows' old lse before its lane 0 replaces it
+#pragma unroll
+      for (int i = 0; i < kTogether; ++i) {
+        const int half = first + i;
+        if (!live[half]) continue;
+        const core::MergeWeights w = core::merge_weights(old_lse[i], lse[half]);
+        const float w_blk = w.w_blk * inv[half];
+        float* out = row_ptr<float>(a.out, b, row[half], h) + col;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          if (dt * 8 < a.head_dim)
+            *reinterpret_cast<float2*>(out + dt * 8) =
+              make_float2(w.w_acc * old[i][dt].x + w_blk * o[mt][dt][2 * half],
+                          w.w_acc * old[i][dt].y + w_blk * o[mt][dt][2 * half + 1]);
+        if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = w.lse;
       }
     }
+  }
 }
 
 template <typename T, int kHeadDim>
