@@ -1,58 +1,216 @@
-"""The kernel calls of one zigzag rank at P = 2, on one GPU, against one call over the whole sequence.
+"""The kernel calls of every zigzag rank at P ranks, timed one by one on one GPU, against one call over
+the whole sequence: what the step kernels alone allow the scaling efficiency to reach.
 
-    python bench/zigzag_steps_bench.py
+    python bench/zigzag_steps_bench.py [--world 2] [--seqlen 32768] [--heads 32] [--heads-kv 32]
+                                       [--hdim 128] [-w 3] [-n 10] [--json PATH]
 
-Causal, 32k tokens, 32 query and K/V heads, hdim 128, bf16. Rank 0 holds chunks 0 and 3 of 4: its
-first step is one causal call over its 16k local rows, its second one rectangle (chunk 3 against
-chunks 1 and 2), both in accumulate mode into fp32, as src/parallel/ring.cpp issues them. Prints
-the median times (ms) of the whole-sequence call (t1f, t1b), of rank 0's forward with its fills and
-final copy (rank_f), and of each step in accumulate mode and plain. Without GPU ranks this separates
-what the kernels lose on the smaller shapes from what the transfers cost.
+Causal, batch 1, bf16. Rank r holds chunks r and 2P-1-r of 2P (each c = S / 2P rows) and makes the
+calls that src/parallel/ring.cpp makes, in accumulate mode into fp32 (`zigzag_calls`):
+  forward   its own rows, one causal call over 2c x 2c; then for each source rank s, a rectangle:
+            all 2c rows against s's first chunk (s < r), or r's second chunk against all 2c of s's
+            rows (s > r);
+  backward  its own block in two halves of its key rows (2c x c, then c x c), the rectangles
+            between them.
+Each call is also timed writing bf16 (plain), so the accumulate mode's own cost shows. Before
+timing, each rank's calls run once into fresh accumulators and must give its rows of the one
+call's out and dq (cp_bench's limits); exit status 1 if not. Per rank,
+the sum of its calls' medians; the slowest rank's sum bounds tP from below, so t1 / (P x that sum)
+is the efficiency the kernels allow before any transfer, fill or host time. --device cpu runs the
+same on the CPU kernels (small shapes: tests/python/test_bench_scripts.py runs it so).
 """
-import torch, ringflash
-from ringflash import _C
-torch.manual_seed(0)
-dev = "cuda"
-S, H, HKV, D = 32768, 32, 32, 128
-dt = torch.bfloat16
-def ev_time(fn, iters=10, warm=3):
-    for _ in range(warm): fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a = torch.cuda.Event(True); b = torch.cuda.Event(True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
-    ts.sort(); return ts[len(ts) // 2]
-st = torch.cuda.current_stream().cuda_stream
-q = torch.randn(1, S, H, D, device=dev, dtype=dt); k = torch.randn(1, S, HKV, D, device=dev, dtype=dt); v = torch.randn_like(k)
-do = torch.randn_like(q)
-out = torch.empty_like(q); lse = torch.empty(1, H, S, device=dev, dtype=torch.float32)
-def full_f(): _C.attention_forward(q, k, v, out, lse, causal=True, stream=st)
-_C.attention_forward(q, k, v, out, lse, causal=True, stream=st)
-dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-def full_b(): _C.attention_backward(q, k, v, out, do, lse, dq, dk, dv, causal=True, stream=st)
-t1f = ev_time(full_f); t1b = ev_time(full_b)
-h = S // 2; c = S // 4
-ql, kl, vl = q[:, :h].contiguous(), k[:, :h].contiguous(), v[:, :h].contiguous()
-k2, v2 = k[:, h:].contiguous(), v[:, h:].contiguous()
-acc = torch.empty(1, h, H, D, device=dev, dtype=torch.float32); lacc = torch.empty(1, H, h, device=dev, dtype=torch.float32)
-outl = torch.empty_like(ql)
-def step0_f(): _C.attention_forward(ql, kl, vl, acc, lacc, causal=True, q_offset=0, k_offset=0, accumulate=True, stream=st)
-def step1_f(): _C.attention_forward(ql[:, c:], k2, v2, acc[:, c:], lacc[:, :, c:], causal=True, q_offset=3 * c, k_offset=c, accumulate=True, stream=st)
-def fills(): acc.zero_(); lacc.fill_(float("-inf"))
-def rank_f(): fills(); step0_f(); step1_f(); outl.copy_(acc)
-def plain0_f(): _C.attention_forward(ql, kl, vl, outl, lacc, causal=True, q_offset=0, k_offset=0, stream=st)
-def plain1_f(): _C.attention_forward(ql[:, c:], k2, v2, outl[:, c:], lacc[:, :, c:], causal=True, q_offset=3 * c, k_offset=c, stream=st)
-fills(); rank_f()
-r = dict(t1f=t1f, half_t1f=t1f / 2, rank_f=ev_time(rank_f), step0_acc=ev_time(lambda: (fills(), step0_f())),
-         step1_acc=ev_time(step1_f), step0_plain=ev_time(plain0_f), step1_plain=ev_time(plain1_f), fills=ev_time(fills))
-dol = do[:, :h].contiguous()
-dqa = torch.zeros(1, h, H, D, device=dev, dtype=torch.float32); dka = torch.zeros(1, h, HKV, D, device=dev, dtype=torch.float32); dva = torch.zeros_like(dka)
-dk2 = torch.zeros_like(dka); dv2 = torch.zeros_like(dka)
-def step0_b(): _C.attention_backward(ql, kl, vl, outl, dol, lacc, dqa, dka, dva, causal=True, q_offset=0, k_offset=0, accumulate=True, stream=st)
-def step1_b(): _C.attention_backward(ql[:, c:], k2, v2, outl[:, c:], dol[:, c:], lacc[:, :, c:], dqa[:, c:], dk2, dv2, causal=True, q_offset=3 * c, k_offset=c, accumulate=True, stream=st)
-dql, dkl, dvl = torch.empty_like(ql), torch.empty_like(kl), torch.empty_like(vl)
-def plain0_b(): _C.attention_backward(ql, kl, vl, outl, dol, lacc, dql, dkl, dvl, causal=True, q_offset=0, k_offset=0, stream=st)
-def plain1_b(): _C.attention_backward(ql[:, c:], k2, v2, outl[:, c:], dol[:, c:], lacc[:, :, c:], dql[:, c:], dkl, dvl, causal=True, q_offset=3 * c, k_offset=c, stream=st)
-r.update(t1b=t1b, half_t1b=t1b / 2, step0_b_acc=ev_time(step0_b), step1_b_acc=ev_time(step1_b), step0_b_plain=ev_time(plain0_b), step1_b_plain=ev_time(plain1_b))
-print(torch.cuda.get_device_name(), {k: round(v, 3) for k, v in r.items()})
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from typing import List, Tuple
+
+Rows = Tuple[int, int]  # (first local row, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    pass_name: str  # "fwd" or "bwd"
+    source: int     # the rank whose keys the call reads
+    q_rows: Rows    # this rank's local query rows
+    k_rows: Rows    # the source's local key rows
+    q_offset: int   # the global position the kernel gives the first query row (causal mask)
+    k_offset: int   # likewise for the first key row
+
+
+def zigzag_positions(world: int, rank: int, seqlen: int) -> List[int]:
+    """The global positions of a rank's local rows: chunk r, then chunk 2P - 1 - r."""
+    c = seqlen // (2 * world)
+    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
+
+
+def zigzag_calls(world: int, rank: int, seqlen: int) -> List[Call]:
+    """A rank's kernel calls in ring order: the forward's, then the backward's. seqlen must be a
+    multiple of 2 * world."""
+    if world < 1 or not 0 <= rank < world or seqlen % (2 * world):
+        raise ValueError(f"need 0 <= rank < world and seqlen a multiple of 2 * world, got world={world}, "
+                         f"rank={rank}, seqlen={seqlen}")
+    c = seqlen // (2 * world)
+    first, second = rank * c, (2 * world - 1 - rank) * c  # the global starts of this rank's chunks
+    steps = []
+    for step in range(1, world):
+        src = (rank - step) % world
+        if src < rank:  # every local query sees the source's first chunk, none its second
+            steps.append((src, (0, 2 * c), (0, c), first, src * c))
+        else:  # only the second local chunk sees the source, all of it
+            steps.append((src, (c, c), (0, 2 * c), second, src * c))
+    fwd = [Call("fwd", rank, (0, 2 * c), (0, 2 * c), first, first)]
+    fwd += [Call("fwd", *s) for s in steps]
+    bwd = [Call("bwd", rank, (0, 2 * c), (0, c), first, first)]
+    bwd += [Call("bwd", *s) for s in steps]
+    bwd.append(Call("bwd", rank, (c, c), (c, c), second, second))
+    return fwd + bwd
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2, help="ranks P (default 2)")
+    p.add_argument("--seqlen", type=int, default=32768, help="total tokens S, a multiple of 2P (default 32768)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--heads-kv", type=int, default=32)
+    p.add_argument("--hdim", type=int, default=128)
+    p.add_argument("-w", "--warmup", type=int, default=3)
+    p.add_argument("-n", "--iters", type=int, default=10)
+    p.add_argument("--json", help="where the results go as JSON")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (default), or cpu to try the script on small shapes")
+    args = p.parse_args(argv)
+    if args.world < 1 or args.seqlen < 2 * args.world or args.seqlen % (2 * args.world):
+        p.error(f"--seqlen must be a positive multiple of 2 * --world, got {args.seqlen} and {args.world}")
+    if args.heads_kv < 1 or args.heads % args.heads_kv:
+        p.error(f"--heads-kv must divide --heads {args.heads}, got {args.heads_kv}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    from ringflash import _C
+
+    dev, dt, f32 = args.device, torch.bfloat16, torch.float32
+    cuda = dev == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("zigzag_steps_bench: no CUDA device", file=sys.stderr)
+        return 2
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    S, P, H, HKV, D = args.seqlen, args.world, args.heads, args.heads_kv, args.hdim
+
+    def median_ms(fn):
+        """CUDA events around each call (a synchronize after it); on the CPU, the wall clock."""
+        for _ in range(args.warmup):
+            fn()
+        sync()
+        times = []
+        for _ in range(args.iters):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                sync()
+                times.append(a.elapsed_time(b))
+            else:
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    torch.manual_seed(0)
+    q = torch.randn(1, S, H, D, device=dev, dtype=dt)
+    k, v = torch.randn(1, S, HKV, D, device=dev, dtype=dt), torch.randn(1, S, HKV, D, device=dev, dtype=dt)
+    dout = torch.randn_like(q)
+    out, lse = torch.empty_like(q), torch.empty(1, H, S, device=dev, dtype=f32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    t1 = dict(fwd=median_ms(lambda: _C.attention_forward(q, k, v, out, lse, causal=True, stream=stream)),
+              bwd=median_ms(lambda: _C.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, causal=True,
+                                                          stream=stream)))
+
+    def shard(t, rank, dim=1):
+        return t.index_select(dim, torch.tensor(zigzag_positions(P, rank, S), device=dev))
+
+    shards = {r: dict(q=shard(q, r), k=shard(k, r), v=shard(v, r), dout=shard(dout, r), out=shard(out, r),
+                      lse=shard(lse, r, 2)) for r in range(P)}
+    def accumulators(rank):
+        """Fresh fp32 accumulators of a rank's rows, as the ring keeps them."""
+        mine = shards[rank]
+        zeros = lambda like: torch.zeros(like.shape, device=dev, dtype=f32)  # noqa: E731
+        return dict(out=zeros(mine["q"]), lse=torch.full_like(mine["lse"], float("-inf")), dq=zeros(mine["q"]),
+                    dk=zeros(mine["k"]), dv=zeros(mine["k"]))
+
+    def kernel_call(call, rank, acc):
+        """One call of a rank's plan, into the fp32 accumulators `acc` (accumulate mode), or into bf16
+        outputs of its own when acc is None."""
+        mine, src = shards[rank], shards[call.source]
+        qs, ks = slice(call.q_rows[0], sum(call.q_rows)), slice(call.k_rows[0], sum(call.k_rows))
+        q_, k_, v_, lse_ = mine["q"][:, qs], src["k"][:, ks], src["v"][:, ks], mine["lse"][:, :, qs]
+        kw = dict(causal=True, q_offset=call.q_offset, k_offset=call.k_offset, accumulate=acc is not None,
+                  stream=stream)
+        if call.pass_name == "fwd":
+            o, l = (acc["out"][:, qs], acc["lse"][:, :, qs]) if acc is not None else (torch.empty_like(q_),
+                                                                                    torch.empty_like(lse_))
+            return lambda: _C.attention_forward(q_, k_, v_, o, l, **kw)
+        grads = ((acc["dq"][:, qs], acc["dk"][:, ks], acc["dv"][:, ks]) if acc is not None
+                 else tuple(torch.empty_like(t) for t in (q_, k_, v_)))
+        return lambda: _C.attention_backward(q_, k_, v_, mine["out"][:, qs], mine["dout"][:, qs], lse_, *grads, **kw)
+
+    # Once, into fresh accumulators: a rank's forward calls must give its rows of out, its backward
+    # calls its rows of dq (its dk and dv also take the other ranks' calls).
+    checks = {}
+    for rank in range(P):
+        acc = accumulators(rank)
+        for call in zigzag_calls(P, rank, S):
+            kernel_call(call, rank, acc)()
+        rel = lambda got, want: ((got - want.float()).abs().max() / want.float().abs().max()).item()  # noqa: E731
+        checks[rank] = dict(out=rel(acc["out"], shards[rank]["out"]), dq=rel(acc["dq"], shard(dq, rank)))
+    failed = [r for r, c in checks.items() if not (c["out"] <= 5e-2 and c["dq"] <= 1e-1)]  # cp_bench's limits
+    print("check (max |calls - one call| / max |one call|):",
+          ", ".join(f"rank {r} out {c['out']:.1e} dq {c['dq']:.1e}" for r, c in checks.items()), flush=True)
+
+    rows = []
+    for rank in range(P):
+        acc = accumulators(rank)
+        for call in zigzag_calls(P, rank, S):
+            row = dict(rank=rank, **dataclasses.asdict(call), acc_ms=median_ms(kernel_call(call, rank, acc)),
+                       plain_ms=median_ms(kernel_call(call, rank, None)))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    sums = {(r, pn): sum(x["acc_ms"] for x in rows if x["rank"] == r and x["pass_name"] == pn)
+            for r in range(P) for pn in ("fwd", "bwd")}
+    plain_sums = {(r, pn): sum(x["plain_ms"] for x in rows if x["rank"] == r and x["pass_name"] == pn)
+                  for r in range(P) for pn in ("fwd", "bwd")}
+    print(f"\n### zigzag steps: {device_name}, S {S}, P {P}, heads {H}/{HKV}, hdim {D}, bf16; ms")
+    print(f"one GPU: fwd {t1['fwd']:.2f}, bwd {t1['bwd']:.2f}; / P: fwd {t1['fwd'] / P:.2f}, bwd {t1['bwd'] / P:.2f}")
+    print(f"{'rank':>4} | {'fwd acc':>8} {'fwd plain':>9} | {'bwd acc':>8} {'bwd plain':>9}")
+    for r in range(P):
+        print(f"{r:>4} | {sums[r, 'fwd']:8.2f} {plain_sums[r, 'fwd']:9.2f} | {sums[r, 'bwd']:8.2f} "
+              f"{plain_sums[r, 'bwd']:9.2f}")
+    summary = {}
+    for pn in ("fwd", "bwd"):
+        worst = max(sums[r, pn] for r in range(P))
+        summary[pn] = dict(t1_ms=t1[pn], slowest_rank_ms=worst, kernel_efficiency=t1[pn] / (P * worst))
+    both = max(sums[r, "fwd"] + sums[r, "bwd"] for r in range(P))
+    summary["fwd_bwd"] = dict(t1_ms=t1["fwd"] + t1["bwd"], slowest_rank_ms=both,
+                              kernel_efficiency=(t1["fwd"] + t1["bwd"]) / (P * both))
+    for pn, s in summary.items():
+        print(f"{pn}: the kernels allow efficiency {s['kernel_efficiency']:.3f} (slowest rank {s['slowest_rank_ms']:.2f} ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), device=device_name, t1=t1, calls=rows, summary=summary,
+                           checks=checks), f, indent=1)
+    if failed:
+        print(f"zigzag_steps_bench: the calls of rank(s) {failed} disagree with the one call", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

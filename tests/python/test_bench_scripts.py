@@ -1,6 +1,8 @@
-"""The command lines of the GPU benchmarks, checked without a GPU: bench/cp_bench.py's strategy
-names, hybrid factorisations included."""
+"""The GPU benchmarks, checked without a GPU: bench/cp_bench.py's strategy names (hybrid
+factorisations included), bench/cp_profile.py's summary of a trace, and bench/zigzag_steps_bench.py's
+plan of a rank's kernel calls, run on the CPU kernels."""
 
+import json
 import os
 import sys
 
@@ -42,3 +44,53 @@ def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():
     assert p["span"] == pytest.approx(1.3) and p["idle"] == pytest.approx(0.15)  # 50-100 us and 1100-1200 us
     assert [a[4] for a in p["activities"]] == ["Memset", "forward_kernel", "ncclDevKernel_SendRecv", "dot_do_o_kernel"]
     assert cp_profile.summarize([])["span"] == 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_zigzag_step_calls_cover_every_causal_pair_once_per_pass(world):
+    """bench/zigzag_steps_bench.py's plan of a rank's kernel calls: under each call's offsets (the
+    kernel's causal mask over contiguous positions) a pair is visible exactly when it is under the
+    true positions, and over every rank the calls of each pass see each causal pair once."""
+    import zigzag_steps_bench as zz
+
+    seqlen = 4 * world * 3  # chunks of 6 rows
+    for pass_name in ("fwd", "bwd"):
+        seen = {}
+        for rank in range(world):
+            calls = [c for c in zz.zigzag_calls(world, rank, seqlen) if c.pass_name == pass_name]
+            assert len(calls) == world + (pass_name == "bwd")
+            q_pos = zz.zigzag_positions(world, rank, seqlen)
+            for c in calls:
+                k_pos = zz.zigzag_positions(world, c.source, seqlen)
+                for i in range(c.q_rows[0], sum(c.q_rows)):
+                    for j in range(c.k_rows[0], sum(c.k_rows)):
+                        kernel_sees = c.k_offset + (j - c.k_rows[0]) <= c.q_offset + (i - c.q_rows[0])
+                        assert kernel_sees == (k_pos[j] <= q_pos[i]), (rank, c, i, j)
+                        if kernel_sees:
+                            pair = (q_pos[i], k_pos[j])
+                            seen[pair] = seen.get(pair, 0) + 1
+        assert seen == {(i, j): 1 for i in range(seqlen) for j in range(i + 1)}
+
+
+def test_zigzag_step_plan_refuses_lengths_that_do_not_split(capsys):
+    import zigzag_steps_bench as zz
+
+    with pytest.raises(ValueError):
+        zz.zigzag_calls(4, 0, 100)
+    with pytest.raises(SystemExit):
+        zz.parse_args(["--world", "4", "--seqlen", "100"])
+    assert "multiple of 2 * --world" in capsys.readouterr().err
+
+
+def test_zigzag_steps_bench_runs_on_the_cpu_and_its_calls_agree_with_one_call(tmp_path, capsys):
+    import zigzag_steps_bench as zz
+
+    path = tmp_path / "zz.json"
+    rc = zz.main(["--device", "cpu", "--world", "3", "--seqlen", "192", "--heads", "4", "--heads-kv", "2",
+                  "--hdim", "64", "-w", "0", "-n", "1", "--json", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    result = json.loads(path.read_text())
+    assert len(result["calls"]) == 3 * (3 + 4)  # per rank: 3 forward calls, 4 backward
+    assert all(c["out"] < 2e-2 and c["dq"] < 2e-2 for c in result["checks"].values())
+    assert set(result["summary"]) == {"fwd", "bwd", "fwd_bwd"}
+    assert all(s["kernel_efficiency"] > 0 for s in result["summary"].values())
