@@ -2,7 +2,7 @@
 the whole sequence: what the step kernels alone allow the scaling efficiency to reach.
 
     python bench/zigzag_steps_bench.py [--world 2] [--seqlen 32768] [--heads 32] [--heads-kv 32]
-                                       [--hdim 128] [-w 3] [-n 10] [--json PATH]
+                                       [--hdim 128] [-w 3] [-n 10] [--json PATH] [--device cuda]
 
 Causal, batch 1, bf16. Rank r holds chunks r and 2P-1-r of 2P (each c = S / 2P rows) and makes the
 calls that src/parallel/ring.cpp makes, in accumulate mode into fp32 (`zigzag_calls`):
@@ -13,9 +13,9 @@ calls that src/parallel/ring.cpp makes, in accumulate mode into fp32 (`zigzag_ca
             between them.
 Each call is also timed writing bf16 (plain), so the accumulate mode's own cost shows. Before
 timing, each rank's calls run once into fresh accumulators and must give its rows of the one
-call's out and dq (cp_bench's limits); exit status 1 if not. Per rank,
-the sum of its calls' medians; the slowest rank's sum bounds tP from below, so t1 / (P x that sum)
-is the efficiency the kernels allow before any transfer, fill or host time. --device cpu runs the
+call's out and dq (cp_bench's limits); exit status 1 if not. Per rank, the sum of its calls'
+medians; the slowest rank's sum bounds tP from below, so t1 / (P x that sum) is the efficiency the
+kernels allow before any transfer, fill or host time. --device cpu runs the
 same on the CPU kernels (small shapes: tests/python/test_bench_scripts.py runs it so).
 """
 
@@ -184,10 +184,12 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    sums = {(r, pn): sum(x["acc_ms"] for x in rows if x["rank"] == r and x["pass_name"] == pn)
-            for r in range(P) for pn in ("fwd", "bwd")}
-    plain_sums = {(r, pn): sum(x["plain_ms"] for x in rows if x["rank"] == r and x["pass_name"] == pn)
-                  for r in range(P) for pn in ("fwd", "bwd")}
+    def per_rank(key):
+        """{(rank, pass): the sum of its calls' `key` medians}."""
+        return {(r, pn): sum(x[key] for x in rows if x["rank"] == r and x["pass_name"] == pn)
+                for r in range(P) for pn in ("fwd", "bwd")}
+
+    sums, plain_sums = per_rank("acc_ms"), per_rank("plain_ms")
     print(f"\n### zigzag steps: {device_name}, S {S}, P {P}, heads {H}/{HKV}, hdim {D}, bf16; ms")
     print(f"one GPU: fwd {t1['fwd']:.2f}, bwd {t1['bwd']:.2f}; / P: fwd {t1['fwd'] / P:.2f}, bwd {t1['bwd'] / P:.2f}")
     print(f"{'rank':>4} | {'fwd acc':>8} {'fwd plain':>9} | {'bwd acc':>8} {'bwd plain':>9}")
