@@ -8,11 +8,13 @@
 //   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
 //       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
-//       dV += P^T dO and dK += dS^T Q      (P^T, dS^T from registers, dO and Q read MN-major)
+//       dV += P^T dO                       (P^T from registers, dO read MN-major)
 //       a 64 x 64 block of dQ = dS K       (over all 128 keys: dS^T of both consumers through
 //                                          shared memory, read transposed; see kDq)
+//       dK += dS^T Q                       (dS^T from registers, Q read MN-major)
 //     and adds its part of dQ to the fp32 accumulator by TMA reduce-adds from shared memory, one
-//     bulk copy per 32 columns instead of an atomic per element pair.
+//     bulk copy per 32 columns instead of an atomic per element pair. dS^T is converted and
+//     stored under dV's products, dQ under dK's.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //
 // Packed batches, as in the forward: rows past a sequence in a tile are zeroed in shared memory
@@ -21,6 +23,8 @@
 #pragma once
 
 #include <cuda.h>
+
+#include <utility>
 
 #include "../backward.cuh"
 #include "forward.cuh"
@@ -93,7 +97,7 @@ struct Backward {
     query_tiles<kBlockM>(mask, seq, n0, valid_n, &m_begin, &m_end);
     // Items: query tiles [m_begin, m_end) of each q head of the group in turn.
     const Items items{hk * p.group, m_begin, m_end - m_begin, p.group * (m_end - m_begin)};
-    const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
+    const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;  // see the forward
 
     if (tid == 0) {
       mbarrier_init(&kv_full, 1);
@@ -112,11 +116,11 @@ struct Backward {
         mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
         load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
         load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
-        for (int i = 0; i < items.count; ++i) {
+        for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
           const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
-          const int h = items.head(i);
-          const int64_t row = seq.row_q + items.query_tile(i) * int64_t{kBlockM};
+          const int h = at.head;
+          const int64_t row = seq.row_q + at.tile * int64_t{kBlockM};
           mbarrier_arrive_expect(&full[stage], 2 * kQBytes + 2 * kStatBytes);
           load_tile<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, &maps.q, &full[stage], row, h, tb);
           load_tile<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, &maps.dout, &full[stage], row, h, tb);
@@ -137,8 +141,14 @@ struct Backward {
 
   struct Items {
     int head0, m_begin, tiles, count;
-    __device__ __forceinline__ int head(int i) const { return head0 + i / tiles; }
-    __device__ __forceinline__ int query_tile(int i) const { return m_begin + i % tiles; }
+    // Where item i is (its q head and query tile), walked one item after another.
+    struct At {
+      int head, tile;
+    };
+    __device__ __forceinline__ At first() const { return {head0, m_begin}; }
+    __device__ __forceinline__ void next(At& at) const {
+      if (++at.tile == m_begin + tiles) at = {at.head + 1, m_begin};
+    }
   };
 
   static __device__ __forceinline__ void consume(const Params& p, const BackwardMaps& maps, int64_t b, int hk,
@@ -161,7 +171,10 @@ struct Backward {
     const int dq_row0 = kHeadDim == 64 ? consumer * 64 : 0;
     const int dq_col0 = kHeadDim == 128 ? consumer * 64 : 0;
     uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
-    const uint32_t k_tile = smem_u32(sk), v_tile = smem_u32(sv);
+    const uint32_t k_tile = smem_u32(sk);
+    // K's and V's rows of this consumer, the operands A of S^T and dP^T.
+    const uint64_t k_desc = k_major_desc(k_tile + consumer * 64 * 128);
+    const uint64_t v_desc = k_major_desc(smem_u32(sv) + consumer * 64 * 128);
 
     const bool packed = a.cu_seqlens_q != nullptr;
     const int thread = threadIdx.x - 128;  // of the 256 consumer threads
@@ -170,13 +183,17 @@ struct Backward {
       zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
       named_barrier_sync(kZeroed, 256);
     }
-    for (int i = 0; i < items.count; ++i) {
+    for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
       const int stage = i % kStages;
-      const int h = items.head(i);
-      const int64_t q0 = items.query_tile(i) * int64_t{kBlockM};
+      const int h = at.head;
+      const int64_t q0 = at.tile * int64_t{kBlockM};
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
       const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
+      // Q and dO as operands B: K-major for S^T and dP^T, MN-major (column blocks kBlockM rows
+      // apart) for dK and dV.
+      const uint64_t q_desc = k_major_desc(q_tile), do_desc = k_major_desc(do_tile);
+      const uint64_t q_mn = mn_major_desc(q_tile, kBlockM * 128), do_mn = mn_major_desc(do_tile, kBlockM * 128);
       T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
       mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
       if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
@@ -189,12 +206,10 @@ struct Backward {
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, kBlockM>::template ss<0, 0>(st, k_step_desc(k_tile, kBlockN, consumer * 64, ks),
-                                        k_step_desc(q_tile, kBlockM, 0, ks), ks > 0);
+        Wgmma<T, kBlockM>::template ss<0, 0>(st, k_step(k_desc, kBlockN, ks), k_step(q_desc, kBlockM, ks), ks > 0);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, kBlockM>::template ss<0, 0>(dpt, k_step_desc(v_tile, kBlockN, consumer * 64, ks),
-                                        k_step_desc(do_tile, kBlockM, 0, ks), ks > 0);
+        Wgmma<T, kBlockM>::template ss<0, 0>(dpt, k_step(v_desc, kBlockN, ks), k_step(do_desc, kBlockM, ks), ks > 0);
       wgmma_commit();
       wgmma_wait<0>();
       keep(st);
@@ -222,13 +237,25 @@ struct Backward {
                 f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
           }
       });
+
+      // dV += P^T dO, under which dS^T is converted and stored: 16 queries (two 8-row atoms) per
+      // step, dO's column blocks kBlockM rows apart.
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
+      keep(dv);
+      keep(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], advance(do_mn, kq * 2048), true);
+      wgmma_commit();
       // The last item's reduce-add has read its dQ part before this item writes it (below, after
       // the barrier of the two consumers).
       if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq) {
-        accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
-                             reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
         accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
                              reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
         store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
@@ -236,41 +263,28 @@ struct Backward {
       fence_proxy_async();
       named_barrier_sync(kDsStored, 256);  // both consumers' dS^T rows are in shared memory
 
-      // dV += P^T dO and dK += dS^T Q: 16 queries (two 8-row atoms) per step, the column blocks
-      // of dO and Q kBlockM rows apart.
+      // The dQ part = dS K over all keys (dS^T's column block of the part's 64 queries and K's
+      // column block of its 64 columns, column blocks kBlockN rows apart), then dK += dS^T Q: dQ
+      // goes out while dK's products run.
+      const uint64_t ds_mn = mn_major_desc(smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128, kBlockN * 128);
+      const uint64_t k_mn = mn_major_desc(k_tile + dq_col0 / 64 * kBlockN * 128, kBlockN * 128);
       keep(dk);
-      keep(dv);
-      keep(pa);
       keep(da);
-      wgmma_fence();
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq)
-        Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], mn_major_desc(do_tile + kq * 2048, kBlockM * 128), true);
-#pragma unroll
-      for (int kq = 0; kq < kBlockM / 16; ++kq)
-        Wgmma<T, kHeadDim>::template rs<1>(dk, da[kq], mn_major_desc(q_tile + kq * 2048, kBlockM * 128), true);
-      wgmma_commit();
-      wgmma_wait<0>();
-      keep(dk);
-      keep(dv);
-      keep(pa);
-      keep(da);
-      if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
-
-      // The dQ part = dS K over all keys: dS^T's column block of the part's 64 queries, and K's
-      // column block of its 64 columns (column blocks are kBlockN rows apart).
-      const uint32_t ds_block = smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128;
-      const uint32_t k_block = k_tile + dq_col0 / 64 * kBlockN * 128;
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<T, kDq>::template ss<1, 1>(dq, mn_major_desc(ds_block + ks * 2048, kBlockN * 128),
-                                         mn_major_desc(k_block + ks * 2048, kBlockN * 128), ks > 0);
+        Wgmma<T, kDq>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kHeadDim>::template rs<1>(dk, da[kq], advance(q_mn, kq * 2048), true);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ
       keep(dq);
+      keep(dv);
+      keep(pa);
 
-      store_dq(sdq, dq, p.softmax_scale, warp, item_lane);
+      store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, item_lane);
       fence_proxy_async();
       named_barrier_sync(1 + consumer, 128);  // the dQ part is in shared memory
       if (elected) {
@@ -280,28 +294,37 @@ struct Backward {
                             static_cast<int>(seq.row_q + q0 + dq_row0), packed ? 0 : static_cast<int>(b));
         bulk_commit();
       }
+      wgmma_wait<0>();  // dK
+      keep(dk);
+      keep(da);
+      if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
     }
     if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
     write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
   }
 
-  // Writes scale * dq (warp w: rows 16 w onwards) into `dst`: kDq rows in column blocks of 32
-  // floats, 128 bytes a row with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as
-  // the TMA reduce-add reads it.
-  static __device__ __forceinline__ void store_dq(float* dst, const float (&dq)[kDq / 2], float scale, int warp,
+  // Writes scale * dq (warp w: rows 16 w onwards) at shared-memory address `dst`: kDq rows in
+  // column blocks of 32 floats, 128 bytes a row with the 128-byte swizzle (16-byte chunk c of row r
+  // at c ^ (r % 8)), as the TMA reduce-add reads it. A 64-bit store goes to the banks a half-warp
+  // at a time, and rows r and r ^ 1 of the same 8 columns would meet in the same two chunks; so
+  // odd rows write the columns of j ^ 2 when even ones write those of j, and the half-warp's four
+  // rows each fill their own quarter of the banks.
+  static __device__ __forceinline__ void store_dq(uint32_t dst, const float (&dq)[kDq / 2], float scale, int warp,
                                                   int lane) {
-    char* base = reinterpret_cast<char*>(dst);
+    static_assert(kDq % 32 == 0, "j ^ 2 stays in j's column block");
+    const int g = lane / 4;  // the row in its 8-row half, r % 8
+    const bool odd = g % 2 != 0;
+    // Column group j's chunk (of 8 columns, two chunks) in row r: 2 (j % 4) ^ z.
+    const int z = ((lane % 4) / 2) ^ g ^ (odd ? 4 : 0);
+    const uint32_t row = dst + (warp * 16 + g) * 128 + (lane % 2) * 8;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp * 16 + lane / 4 + half * 8;
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int j = 0; j < kDq / 8; ++j) {
-        const int col = j * 8 + (lane % 4) * 2;
-        const int in_block = col % 32;
-        char* at = base + col / 32 * kDq * 128 + r * 128 + (((in_block / 4) ^ (r % 8)) * 16) + in_block % 4 * 4;
-        *reinterpret_cast<float2*>(at) = make_float2(dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
+        const int e = 4 * j + 2 * half, e2 = 4 * (j ^ 2) + 2 * half;
+        st_shared_v2(row + half * 8 * 128 + j / 4 * kDq * 128 + ((2 * (j % 4)) ^ z) * 16,
+                     (odd ? dq[e2] : dq[e]) * scale, (odd ? dq[e2 + 1] : dq[e + 1]) * scale);
       }
-    }
   }
 
   // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV.

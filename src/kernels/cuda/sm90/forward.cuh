@@ -46,9 +46,10 @@ __device__ __forceinline__ void load_tile(T* dst, const CUtensorMap* map, uint64
 }
 
 // The descriptor of 16 columns (k-step ks) of a K-major operand tile of column blocks that are
-// block_rows x 128 bytes each, starting at row `row0` (a multiple of 8).
-__device__ __forceinline__ uint64_t k_step_desc(uint32_t tile, int block_rows, int row0, int ks) {
-  return k_major_desc(tile + (ks / 4) * block_rows * 128 + row0 * 128 + (ks % 4) * 32);
+// block_rows x 128 bytes each, from the descriptor of its first (`desc`, k_major_desc of the
+// address of the first row used, a multiple of 8).
+__device__ __forceinline__ uint64_t k_step(uint64_t desc, int block_rows, int ks) {
+  return advance(desc, (ks / 4) * block_rows * 128 + (ks % 4) * 32);
 }
 
 // Zeroes rows [from, kRows) of a tile of kHeadDim / 64 column blocks of kRows x 128 bytes, with
@@ -101,7 +102,9 @@ struct Forward {
     const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
     if (q0 >= seq.len_q) return;
     const int rows = tile_rows(seq.len_q, q0, kBlockM);
-    const int tid = threadIdx.x, group = tid / 128, lane = tid % 32;
+    // The warpgroup, broadcast from lane 0 so that the compiler knows it is the same in every
+    // lane (what derives from it, such as descriptors, then lives in uniform registers).
+    const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;
     const core::Mask mask = p.mask();
     int64_t n_begin, n_end;
     key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
@@ -157,26 +160,26 @@ struct Forward {
     float s[1][kNT][4];
     auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
     uint32_t pa[kBlockN / 16][4];
-    const uint32_t q_tile = smem_u32(sq);
+    const uint64_t q_desc = k_major_desc(smem_u32(sq) + consumer * 64 * 128);  // this consumer's rows
     const auto stage_of = [](int64_t i) { return static_cast<int>(i % kStages); };
     const auto phase_of = [](int64_t i) { return static_cast<uint32_t>(i / kStages) & 1u; };
 
     // S(i) = Q K(i)^T for this consumer's 64 rows, issued and committed as one group.
     const auto issue_qk = [&](int64_t i) {
-      const uint32_t k_tile = smem_u32(sk + stage_of(i) * kBlockN * kHeadDim);
+      const uint64_t k_desc = k_major_desc(smem_u32(sk + stage_of(i) * kBlockN * kHeadDim));
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step_desc(q_tile, kBlockM, consumer * 64, ks),
-                                          k_step_desc(k_tile, kBlockN, 0, ks), ks > 0);
+        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step(q_desc, kBlockM, ks), k_step(k_desc, kBlockN, ks),
+                                          ks > 0);
       wgmma_commit();
     };
     // O += P(i) V(i), issued and committed as one group: 16 keys (two 8-row atoms of 1024 bytes)
     // per step, V's column blocks kBlockN rows apart.
     const auto issue_pv = [&](int64_t i) {
-      const uint32_t v_tile = smem_u32(sv + stage_of(i) * kBlockN * kHeadDim);
+      const uint64_t v_desc = mn_major_desc(smem_u32(sv + stage_of(i) * kBlockN * kHeadDim), kBlockN * 128);
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps)
-        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], mn_major_desc(v_tile + ps * 2 * 1024, kBlockN * 128), true);
+        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], advance(v_desc, ps * 2 * 1024), true);
       wgmma_commit();
     };
     // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.

@@ -34,6 +34,11 @@ __device__ __forceinline__ uint64_t k_major_desc(uint32_t smem) {
          (kSwizzle128B << 62);
 }
 
+// `desc` with its start address moved by `bytes` (a multiple of 16). The address is the low 14
+// bits in 16-byte units, and no shared-memory address carries out of them, so one add of a
+// constant steps a descriptor along its tile (instead of a new descriptor per product).
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
 // The descriptor of an MN-major (transposed, kTransB = 1), 128-byte-swizzled operand: N runs along
 // the 128-byte rows (64 elements a block), K down the rows. 8-row groups along K are 1024 bytes
 // apart (stride byte offset); 64-element blocks along N are `block_bytes` apart (leading byte
@@ -202,6 +207,11 @@ __device__ __forceinline__ void tma_reduce_add_4d(const void* map, const void* s
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the committed bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Stores x, y at shared-memory address `smem` (8-byte aligned).
+__device__ __forceinline__ void st_shared_v2(uint32_t smem, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem), "f"(x), "f"(y) : "memory");
+}
+
 // Waits until the committed bulk groups are complete.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
