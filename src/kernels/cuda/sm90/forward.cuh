@@ -108,7 +108,7 @@ struct Forward {
     const core::Mask mask = p.mask();
     int64_t n_begin, n_end;
     key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
-    const int64_t tiles = n_end - n_begin;
+    const int tiles = static_cast<int>(n_end - n_begin);
 
     if (tid == 0) {
       mbarrier_init(&q_full, 1);
@@ -128,8 +128,8 @@ struct Forward {
         const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
         mbarrier_arrive_expect(&q_full, kQBytes);
         load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int stage = static_cast<int>(i % kStages);
+        for (int i = 0; i < tiles; ++i) {
+          const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
@@ -147,7 +147,7 @@ struct Forward {
 
   static __device__ __forceinline__ void consume(const Params& p, int64_t b, int h, const core::Sequence& seq,
                                                  int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
-                                                 int64_t tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
+                                                 int tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
                                                  uint64_t (&empty)[kStages], int consumer, int lane) {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
@@ -160,38 +160,59 @@ struct Forward {
     float s[1][kNT][4];
     auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
     uint32_t pa[kBlockN / 16][4];
-    const uint64_t q_desc = k_major_desc(smem_u32(sq) + consumer * 64 * 128);  // this consumer's rows
-    const auto stage_of = [](int64_t i) { return static_cast<int>(i % kStages); };
-    const auto phase_of = [](int64_t i) { return static_cast<uint32_t>(i / kStages) & 1u; };
+    // Descriptors of this consumer's rows of Q, and of stage 0's K (K-major) and V (MN-major);
+    // a stage is kKVBytes further on.
+    const uint64_t q_desc = k_major_desc(smem_u32(sq) + consumer * 64 * 128);
+    const uint64_t k_desc = k_major_desc(smem_u32(sk)), v_desc = mn_major_desc(smem_u32(sv), kBlockN * 128);
+    const auto at_stage = [](uint64_t desc, int stage) { return advance(desc, stage * kKVBytes); };
+    // Tile i's stage and the parity of its use of it, walked along with i (i - 1's as well).
+    struct Slot {
+      int stage = 0;
+      uint32_t phase = 0;
+      __device__ __forceinline__ void next() {
+        if (++stage == kStages) stage = 0, phase ^= 1u;
+      }
+    };
 
-    // S(i) = Q K(i)^T for this consumer's 64 rows, issued and committed as one group.
-    const auto issue_qk = [&](int64_t i) {
-      const uint64_t k_desc = k_major_desc(smem_u32(sk + stage_of(i) * kBlockN * kHeadDim));
+    // S = Q K^T of the tile in `stage` for this consumer's 64 rows, issued and committed as one group.
+    const auto issue_qk = [&](int stage) {
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step(q_desc, kBlockM, ks), k_step(k_desc, kBlockN, ks),
-                                          ks > 0);
+        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step(q_desc, kBlockM, ks),
+                                          k_step(at_stage(k_desc, stage), kBlockN, ks), ks > 0);
       wgmma_commit();
     };
-    // O += P(i) V(i), issued and committed as one group: 16 keys (two 8-row atoms of 1024 bytes)
-    // per step, V's column blocks kBlockN rows apart.
-    const auto issue_pv = [&](int64_t i) {
-      const uint64_t v_desc = mn_major_desc(smem_u32(sv + stage_of(i) * kBlockN * kHeadDim), kBlockN * 128);
+    // O += P V of the tile in `stage`, issued and committed as one group: 16 keys (two 8-row atoms
+    // of 1024 bytes) per step, V's column blocks kBlockN rows apart.
+    const auto issue_pv = [&](int stage) {
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps)
-        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], advance(v_desc, ps * 2 * 1024), true);
+        Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], advance(at_stage(v_desc, stage), ps * 2 * 1024), true);
       wgmma_commit();
     };
-    // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
-    const auto softmax = [&](int64_t i, float (&correction)[1][2]) {
-      const int64_t n = n_begin + i;
+    // Whether key tile i needs the mask (or runs past the sequence's last key). A mask's fully
+    // visible tiles are one run of them, [full_begin, full_end), found once here: the loop then
+    // tests two ints instead of classifying every tile in 64-bit arithmetic.
+    const int64_t pq0 = seq.pos_q + q0;
+    const auto partial_at = [&](int i) {
+      const int64_t n = n_begin + i, pk0 = seq.pos_k + n * kBlockN;
       const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
-      const int64_t pk0 = seq.pos_k + n * kBlockN, pq0 = seq.pos_q + q0;
-      const bool partial = valid_n < kBlockN ||
-                           mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+      return valid_n < kBlockN || mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
+    };
+    int full_begin = 0, full_end = tiles;
+    while (full_begin < tiles && partial_at(full_begin)) ++full_begin;
+    while (full_end > full_begin && partial_at(full_end - 1)) --full_end;
+    // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
+    const auto softmax = [&](int i, float (&correction)[1][2]) {
+      const bool partial = i < full_begin || i >= full_end;
       // Plain scores stay raw: the scale goes into the exponent.
       const bool raw = !partial && plain;
-      if (!raw) transform_scores(s, f, alibi, partial, TileMask(mask, pk0 - pq0, kBlockM, valid_n), warp_row0, lane);
+      if (!raw) {
+        const int64_t n = n_begin + i;
+        const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
+        transform_scores(s, f, alibi, partial, TileMask(mask, seq.pos_k + n * kBlockN - pq0, kBlockM, valid_n),
+                         warp_row0, lane);
+      }
       return softmax_tile(s, row_max, row_sum, raw ? p.qk_scale : 1.0f, correction);
     };
     const auto to_a = [&] {
@@ -212,10 +233,11 @@ struct Forward {
     const auto clean_last_v = [&] {
       const int valid_n = tile_rows(seq.len_k, (n_begin + tiles - 1) * kBlockN, kBlockN);
       if (!p.a.cu_seqlens_k || valid_n == kBlockN) return;
-      zero_rows<kBlockN, kHeadDim>(sv + stage_of(tiles - 1) * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
+      zero_rows<kBlockN, kHeadDim>(sv + (tiles - 1) % kStages * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
       named_barrier_sync(kZeroed, 256);
     };
 
+    Slot cur, prev;  // tile i's, and tile i - 1's
     if (tiles > 0) {
       mbarrier_wait(&q_full, 0);
       mbarrier_wait(&k_full[0], 0);
@@ -228,16 +250,17 @@ struct Forward {
       float correction[1][2];
       softmax(0, correction);  // O is still zero: nothing to rescale
       to_a();
+      cur.next();
     }
-    for (int64_t i = 1; i < tiles; ++i) {
-      mbarrier_wait(&k_full[stage_of(i)], phase_of(i));
-      mbarrier_wait(&v_full[stage_of(i - 1)], phase_of(i - 1));
+    for (int i = 1; i < tiles; ++i, cur.next(), prev.next()) {
+      mbarrier_wait(&k_full[cur.stage], cur.phase);
+      mbarrier_wait(&v_full[prev.stage], prev.phase);
       keep(o_flat);
       keep(pa);
       my_turn();
       wgmma_fence();
-      issue_qk(i);
-      issue_pv(i - 1);
+      issue_qk(cur.stage);
+      issue_pv(prev.stage);
       pass_turn(false);
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
@@ -246,18 +269,18 @@ struct Forward {
       wgmma_wait<0>();
       keep(o_flat);
       keep(pa);
-      if (lane == 0) mbarrier_arrive(&empty[stage_of(i - 1)]);  // K(i - 1) and V(i - 1) are free
+      if (lane == 0) mbarrier_arrive(&empty[prev.stage]);  // K(i - 1) and V(i - 1) are free
       if (moved) rescale(o, correction);
       to_a();
     }
     if (tiles > 0) {
-      mbarrier_wait(&v_full[stage_of(tiles - 1)], phase_of(tiles - 1));
+      mbarrier_wait(&v_full[prev.stage], prev.phase);
       clean_last_v();
       keep(o_flat);
       keep(pa);
       my_turn();
       wgmma_fence();
-      issue_pv(tiles - 1);
+      issue_pv(prev.stage);
       pass_turn(true);
       wgmma_wait<0>();
       keep(o_flat);
