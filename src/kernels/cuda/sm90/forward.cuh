@@ -238,6 +238,17 @@ struct Forward {
     };
 
     Slot cur, prev;  // tile i's, and tile i - 1's
+    // The correction of O that P(i - 1) V waits for (the row max moved with tile i - 1). It is
+    // applied between the issue of S(i) and that of P(i - 1) V, where the tensor cores are busy,
+    // rather than after P(i - 1)'s softmax, where it would hold up the next issue.
+    float correction[1][2];
+    bool moved = false;
+    const auto rescale_pending = [&] {
+      keep(o_flat);
+      if (moved) rescale(o, correction);
+      keep(o_flat);
+      wgmma_fence();
+    };
     if (tiles > 0) {
       mbarrier_wait(&q_full, 0);
       mbarrier_wait(&k_full[0], 0);
@@ -247,7 +258,6 @@ struct Forward {
       pass_turn(false);
       wgmma_wait<0>();
       keep(s_flat);
-      float correction[1][2];
       softmax(0, correction);  // O is still zero: nothing to rescale
       to_a();
       cur.next();
@@ -260,17 +270,16 @@ struct Forward {
       my_turn();
       wgmma_fence();
       issue_qk(cur.stage);
+      rescale_pending();
       issue_pv(prev.stage);
       pass_turn(false);
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
-      float correction[1][2];
-      const bool moved = softmax(i, correction);
+      moved = softmax(i, correction);
       wgmma_wait<0>();
       keep(o_flat);
       keep(pa);
       if (lane == 0) mbarrier_arrive(&empty[prev.stage]);  // K(i - 1) and V(i - 1) are free
-      if (moved) rescale(o, correction);
       to_a();
     }
     if (tiles > 0) {
@@ -279,7 +288,7 @@ struct Forward {
       keep(o_flat);
       keep(pa);
       my_turn();
-      wgmma_fence();
+      rescale_pending();
       issue_pv(prev.stage);
       pass_turn(true);
       wgmma_wait<0>();
