@@ -72,6 +72,22 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
       }
 }
 
+// The mask alone, for plain scores left raw (their scale goes into the exponent): elements of a
+// partly visible tile that the mask hides become -inf. Element (mt, nt, i) as in transform_scores.
+template <int kMT, int kNT>
+__device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], const TileMask& tile, int row0, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+        const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
+        if (!tile.visible(row, col)) s[mt][nt][i] = -INFINITY;
+      }
+}
+
 // Online softmax over one key tile of a warp's rows: s (scores in log2 units, times `scale`)
 // becomes P and the row max and sum move on; correction[mt][half] is what the row's output
 // accumulators must be multiplied by. Returns whether any of the warp's rows' max moved (when none

@@ -70,7 +70,9 @@ __device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int thr
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
 enum NamedBarrier : int { kTurn0 = 1, kTurn1 = 2, kZeroed = 3, kDsStored = 4 };
 
-template <typename T, int kHeadDim>
+// kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
+// others take their own instance, so that the plain kernel carries none of their code.
+template <typename T, int kHeadDim, bool kPlain>
 struct Forward {
   // Head dim 256: key tiles of 64 (O alone takes 128 of a consumer's registers) in two stages
   // (shared memory: Q 64 KB, a stage of K and V 64 KB).
@@ -153,7 +155,6 @@ struct Forward {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
-    const bool plain = !alibi && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
     float o[1][kDT][4] = {};
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
     auto& o_flat = reinterpret_cast<float(&)[kDT * 4]>(o);
@@ -205,15 +206,20 @@ struct Forward {
     // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
     const auto softmax = [&](int i, float (&correction)[1][2]) {
       const bool partial = i < full_begin || i >= full_end;
-      // Plain scores stay raw: the scale goes into the exponent.
-      const bool raw = !partial && plain;
-      if (!raw) {
-        const int64_t n = n_begin + i;
-        const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
-        transform_scores(s, f, alibi, partial, TileMask(mask, seq.pos_k + n * kBlockN - pq0, kBlockM, valid_n),
-                         warp_row0, lane);
+      const int64_t n = n_begin + i;
+      // The lane, opaque to the compiler in each tile: otherwise it computes every element's row
+      // and column once, before the loop, and holds them in some 50 registers throughout (the
+      // kernel spilled).
+      int tile_lane = lane;
+      asm volatile("" : "+r"(tile_lane));
+      const TileMask tile(mask, seq.pos_k + n * kBlockN - pq0, kBlockM, tile_rows(seq.len_k, n * kBlockN, kBlockN));
+      if constexpr (kPlain) {  // the scores stay raw: the scale goes into the exponent
+        if (partial) mask_scores(s, tile, warp_row0, tile_lane);
+        return softmax_tile(s, row_max, row_sum, p.qk_scale, correction);
+      } else {
+        transform_scores(s, f, alibi, partial, tile, warp_row0, tile_lane);
+        return softmax_tile(s, row_max, row_sum, 1.0f, correction);
       }
-      return softmax_tile(s, row_max, row_sum, raw ? p.qk_scale : 1.0f, correction);
     };
     const auto to_a = [&] {
 #pragma unroll
@@ -298,11 +304,11 @@ struct Forward {
   }
 };
 
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(Forward<T, kHeadDim>::kThreads, 1)
+template <typename T, int kHeadDim, bool kPlain>
+__global__ void __launch_bounds__(Forward<T, kHeadDim, kPlain>::kThreads, 1)
     forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Forward<T, kHeadDim>::run(p, maps);
+  Forward<T, kHeadDim, kPlain>::run(p, maps);
 #endif
 }
 

@@ -98,11 +98,11 @@ inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, in
                 "a row statistic");
 }
 
-template <typename T, int kHeadDim>
-void run_forward(const Params& p, cudaStream_t stream) {
-  using F = Forward<T, kHeadDim>;
+template <typename T, int kHeadDim, bool kPlain>
+void launch_forward(const Params& p, cudaStream_t stream) {
+  using F = Forward<T, kHeadDim, kPlain>;
   const core::AttentionArgs& a = p.a;
-  allow_smem(forward_kernel<T, kHeadDim>, F::kSmemBytes, "Hopper forward", kHeadDim);
+  allow_smem(forward_kernel<T, kHeadDim, kPlain>, F::kSmemBytes, "Hopper forward", kHeadDim);
   const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
   const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
@@ -110,9 +110,16 @@ void run_forward(const Params& p, cudaStream_t stream) {
   const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
                   static_cast<unsigned>(a.batch));
   if (grid.x > 0) {
-    forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
+}
+
+template <typename T, int kHeadDim>
+void run_forward(const Params& p, cudaStream_t stream) {
+  const core::AttentionArgs& a = p.a;
+  if (a.alibi_slopes == nullptr && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f) launch_forward<T, kHeadDim, true>(p, stream);
+  else launch_forward<T, kHeadDim, false>(p, stream);
   clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
