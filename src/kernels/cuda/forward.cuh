@@ -53,8 +53,9 @@ __device__ __forceinline__ void query_tiles(const core::Mask& mask, const core::
 
 // Scores of one key tile, for the rows a warp owns: scale, softcap, ALiBi, then the mask where
 // the tile is only partly visible (or runs past the sequence's last key). Element (mt, nt, i) is
-// row row0 + 16 mt + lane / 4 + 8 (i / 2) and column 8 nt + 2 (lane % 4) + i % 2.
-template <int kMT, int kNT>
+// row row0 + 16 mt + lane / 4 + 8 (i / 2) and column 8 nt + 2 (lane % 4) + i % 2. kRaw: plain
+// scores stay raw (their scale goes into the exponent) and only the mask applies.
+template <bool kRaw = false, int kMT, int kNT>
 __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const ScoreTransform& f, bool alibi,
                                                  bool partial, const TileMask& tile, int row0, int lane) {
 #pragma unroll
@@ -65,26 +66,10 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
       for (int i = 0; i < 4; ++i) {
         const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
         const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-        float x = f(s[mt][nt][i]);
-        if (alibi) x = f.alibi(x, tile.distance(row, col));
+        float x = kRaw ? s[mt][nt][i] : f(s[mt][nt][i]);
+        if (!kRaw && alibi) x = f.alibi(x, tile.distance(row, col));
         if (partial && !tile.visible(row, col)) x = -INFINITY;
         s[mt][nt][i] = x;
-      }
-}
-
-// The mask alone, for plain scores left raw (their scale goes into the exponent): elements of a
-// partly visible tile that the mask hides become -inf. Element (mt, nt, i) as in transform_scores.
-template <int kMT, int kNT>
-__device__ __forceinline__ void mask_scores(float (&s)[kMT][kNT][4], const TileMask& tile, int row0, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-        const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-        if (!tile.visible(row, col)) s[mt][nt][i] = -INFINITY;
       }
 }
 

@@ -214,7 +214,7 @@ struct Forward {
       asm volatile("" : "+r"(tile_lane));
       const TileMask tile(mask, seq.pos_k + n * kBlockN - pq0, kBlockM, tile_rows(seq.len_k, n * kBlockN, kBlockN));
       if constexpr (kPlain) {  // the scores stay raw: the scale goes into the exponent
-        if (partial) mask_scores(s, tile, warp_row0, tile_lane);
+        if (partial) transform_scores<true>(s, f, false, true, tile, warp_row0, tile_lane);
         return softmax_tile(s, row_max, row_sum, p.qk_scale, correction);
       } else {
         transform_scores(s, f, alibi, partial, tile, warp_row0, tile_lane);
