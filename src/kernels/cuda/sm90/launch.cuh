@@ -118,7 +118,8 @@ void launch_forward(const Params& p, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   const core::AttentionArgs& a = p.a;
-  if (a.alibi_slopes == nullptr && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f) launch_forward<T, kHeadDim, true>(p, stream);
+  const bool plain = a.alibi_slopes == nullptr && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
+  if (plain) launch_forward<T, kHeadDim, true>(p, stream);
   else launch_forward<T, kHeadDim, false>(p, stream);
   clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
