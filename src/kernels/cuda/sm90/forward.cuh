@@ -191,28 +191,28 @@ struct Forward {
         Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], advance(at_stage(v_desc, stage), ps * 2 * 1024), true);
       wgmma_commit();
     };
+    // Key tile i's mask against `mask_rows` query rows.
+    const int64_t pq0 = seq.pos_q + q0;
+    const auto tile_mask = [&](int i, int mask_rows) {
+      const int64_t n = n_begin + i;
+      return TileMask(mask, seq.pos_k + n * kBlockN - pq0, mask_rows, tile_rows(seq.len_k, n * kBlockN, kBlockN));
+    };
     // Whether key tile i needs the mask (or runs past the sequence's last key). A mask's fully
     // visible tiles are one run of them, [full_begin, full_end), found once here: the loop then
-    // tests two ints instead of classifying every tile in 64-bit arithmetic.
-    const int64_t pq0 = seq.pos_q + q0;
-    const auto partial_at = [&](int i) {
-      const int64_t n = n_begin + i, pk0 = seq.pos_k + n * kBlockN;
-      const int valid_n = tile_rows(seq.len_k, n * kBlockN, kBlockN);
-      return valid_n < kBlockN || mask.classify(pq0, pq0 + rows, pk0, pk0 + valid_n) != core::BlockKind::kFull;
-    };
+    // tests two ints instead of every tile's bounds.
+    const auto partial_at = [&](int i) { return !tile_mask(i, rows).whole(rows, kBlockN); };
     int full_begin = 0, full_end = tiles;
     while (full_begin < tiles && partial_at(full_begin)) ++full_begin;
     while (full_end > full_begin && partial_at(full_end - 1)) --full_end;
     // The scores and softmax of S(i) into P(i) (in s); the correction O needs once P(i - 1) V is in.
     const auto softmax = [&](int i, float (&correction)[1][2]) {
       const bool partial = i < full_begin || i >= full_end;
-      const int64_t n = n_begin + i;
       // The lane, opaque to the compiler in each tile: otherwise it computes every element's row
       // and column once, before the loop, and holds them in some 50 registers throughout (the
       // kernel spilled).
       int tile_lane = lane;
       asm volatile("" : "+r"(tile_lane));
-      const TileMask tile(mask, seq.pos_k + n * kBlockN - pq0, kBlockM, tile_rows(seq.len_k, n * kBlockN, kBlockN));
+      const TileMask tile = tile_mask(i, kBlockM);
       if constexpr (kPlain) {  // the scores stay raw: the scale goes into the exponent
         if (partial) transform_scores<true>(s, f, false, true, tile, warp_row0, tile_lane);
         return softmax_tile(s, row_max, row_sum, p.qk_scale, correction);
@@ -236,10 +236,10 @@ struct Forward {
     // Only the last key tile can run past the sequence. In a packed batch its V rows past the
     // sequence are zeroed before P V (both consumers, then a barrier of the two); in a padded one
     // they are past the tensor and read as zeros.
-    const auto clean_last_v = [&] {
+    const auto clean_last_v = [&](int stage) {
       const int valid_n = tile_rows(seq.len_k, (n_begin + tiles - 1) * kBlockN, kBlockN);
       if (!p.a.cu_seqlens_k || valid_n == kBlockN) return;
-      zero_rows<kBlockN, kHeadDim>(sv + (tiles - 1) % kStages * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
+      zero_rows<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
       named_barrier_sync(kZeroed, 256);
     };
 
@@ -290,7 +290,7 @@ struct Forward {
     }
     if (tiles > 0) {
       mbarrier_wait(&v_full[prev.stage], prev.phase);
-      clean_last_v();
+      clean_last_v(prev.stage);  // the last tile's
       keep(o_flat);
       keep(pa);
       my_turn();
