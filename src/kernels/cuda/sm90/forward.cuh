@@ -249,6 +249,7 @@ struct Forward {
     // rather than after P(i - 1)'s softmax, where it would hold up the next issue.
     float correction[1][2];
     bool moved = false;
+    __shared__ float scratch;  // ahead_of_wait's
     const auto rescale_pending = [&] {
       keep(o_flat);
       if (moved) rescale(o, correction);
@@ -282,6 +283,7 @@ struct Forward {
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
       moved = softmax(i, correction);
+      ahead_of_wait(smem_u32(&scratch), row_sum[0][0] + row_sum[0][1]);  // P(i) under P(i - 1) V
       wgmma_wait<0>();
       keep(o_flat);
       keep(pa);

@@ -60,6 +60,12 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// Holds the computation of `x` ahead of the next wgmma wait. ptxas moves arithmetic across a wait
+// as it likes (it sank the softmax's exponentials below the wait for P V, where they no longer
+// overlap it) but keeps shared-memory accesses on their side: x is stored to a scratch word.
+__device__ __forceinline__ void ahead_of_wait(uint32_t scratch, float x) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(scratch), "f"(x) : "memory");
+}
 // Keeps the compiler from moving accesses of wgmma's register operands across a fence or a wait:
 // call it on the accumulators (and register A operands) right before wgmma_fence() and right after
 // wgmma_wait().
