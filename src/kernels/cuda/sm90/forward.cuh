@@ -1,17 +1,19 @@
-// The Hopper forward kernel (sm_90a): one thread block per (query tile of 128 rows, head,
-// sequence), warp-specialised.
+// The Hopper forward kernel (sm_90a): one thread block per (query tile of 64 rows per consumer,
+// head, sequence), warp-specialised.
 //
 //   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
-//     every TMA copy: Q once, then K and V of each key tile into three stages, each completing on
-//     an mbarrier. A stage is reused once every consumer warp has arrived on its `empty` barrier.
-//   - Warpgroups 1 and 2 are the consumers, 64 query rows each, at 240 registers. S = Q K^T is
+//     every TMA copy: Q once, then K and V of each key tile into stages, each completing on an
+//     mbarrier. A stage of K (of V) is reused once every consumer warp has arrived on its
+//     `k_empty` (`v_empty`) barrier: K's as soon as S is in, V's once P V is.
+//   - The other warpgroups are the consumers, 64 query rows each: two at 240 registers, or three
+//     at 160 for head dim 64. S = Q K^T is
 //     wgmma m64n128k16 with both operands in shared memory (128-byte-swizzled column blocks of 64
 //     elements, as TMA writes them); O += P V is wgmma with P in registers and V read MN-major.
 //   - A consumer overlaps the softmax of key tile i with the P V product of tile i - 1: it issues
 //     S(i) and O += P(i - 1) V(i - 1), waits for S(i) alone, computes P(i) while the tensor cores
 //     run P V, then waits for that, frees the stage of tile i - 1 and rescales O.
-//   - Ping-pong: the two consumers issue their products in turn (named barriers 1 and 2), so that
-//     one's softmax runs while the tensor cores work through the other's products.
+//   - Ping-pong: the consumers issue their products in turn (a named barrier each), so that one's
+//     softmax runs while the tensor cores work through the others' products.
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
 //     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
@@ -68,21 +70,27 @@ __device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int thr
 }
 
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
-enum NamedBarrier : int { kTurn0 = 1, kTurn1 = 2, kZeroed = 3, kDsStored = 4 };
+// kTurn + c is the forward's consumer c's turn to issue.
+enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kTurn = 3 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.
 template <typename T, int kHeadDim, bool kPlain>
 struct Forward {
   // Head dim 256: key tiles of 64 (O alone takes 128 of a consumer's registers) in two stages
-  // (shared memory: Q 64 KB, a stage of K and V 64 KB).
-  static constexpr int kBlockM = 128, kBlockN = kHeadDim == 256 ? 64 : 128;
-  // A stage is freed when P V of its tile is done, one tile after its Q K^T: with three, the load
-  // of tile i + 2 runs during all of tile i + 1 (with two it would wait at every tile).
+  // (shared memory: Q 64 KB, a stage of K and V 64 KB). Head dim 64: three consumers, as its
+  // products are half as long as head dim 128's for the same softmax; two would leave the tensor
+  // cores idle while both are in their softmax. They fit in 160 registers each.
+  static constexpr int kConsumers = kHeadDim == 64 ? 3 : 2;
+  static constexpr int kBlockM = 64 * kConsumers, kBlockN = kHeadDim == 256 ? 64 : 128;
+  // A stage of K is freed once S of its tile is in, V's once P V is (a tile later), so that the
+  // producer, which loads K and V in turn, starts each load about kStages - 0.5 tiles before its
+  // use: with K and V freed together, two stages left less than a tile, and every tile waited.
   static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
-  static constexpr int kThreads = 384;
-  static constexpr int kConsumerWarps = 8;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kThreads = 128 * (kConsumers + 1), kConsumerThreads = 128 * kConsumers;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "within the register file");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
   static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
@@ -94,7 +102,7 @@ struct Forward {
     T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sk = sq + kBlockM * kHeadDim;
     T* sv = sk + kStages * kBlockN * kHeadDim;
-    __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], empty[kStages];
+    __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.z;
@@ -117,7 +125,8 @@ struct Forward {
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(&k_full[s], 1);
         mbarrier_init(&v_full[s], 1);
-        mbarrier_init(&empty[s], kConsumerWarps);
+        mbarrier_init(&k_empty[s], kConsumerWarps);
+        mbarrier_init(&v_empty[s], kConsumerWarps);
       }
       fence_barrier_init();
     }
@@ -132,18 +141,21 @@ struct Forward {
         load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
         for (int i = 0; i < tiles; ++i) {
           const int stage = i % kStages;
-          if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);
+          const bool reuse = i >= kStages;
+          const uint32_t parity = static_cast<uint32_t>(i / kStages - 1) & 1u;
+          if (reuse) mbarrier_wait(&k_empty[stage], parity);
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
           load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
+          if (reuse) mbarrier_wait(&v_empty[stage], parity);
           mbarrier_arrive_expect(&v_full[stage], kKVBytes);
           load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
         }
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, empty, group - 1,
-              lane);
+      consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, k_empty, v_empty,
+              group - 1, lane);
     }
   }
 
@@ -151,7 +163,8 @@ struct Forward {
                                                  int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
                                                  int tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
-                                                 uint64_t (&empty)[kStages], int consumer, int lane) {
+                                                 uint64_t (&k_empty)[kStages], uint64_t (&v_empty)[kStages],
+                                                 int consumer, int lane) {
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
@@ -225,22 +238,24 @@ struct Forward {
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[ps], s[0][2 * ps], s[0][2 * ps + 1]);
     };
-    // Ping-pong: the consumers issue their products in turn (named barriers 1 and 2), so that one's
-    // softmax runs while the tensor cores work through the other's products. Consumer 0 goes first;
-    // consumer 1 hands the turn back after each issue but its last.
-    const auto my_turn = [&] { named_barrier_sync(consumer == 0 ? kTurn0 : kTurn1, 256); };
+    // Ping-pong: the consumers issue their products in turn, each handing the turn to the next (a
+    // named barrier per consumer), so that one's softmax runs while the tensor cores work through
+    // the others' products. Consumer 0 goes first; the last one hands the turn back to it after
+    // each issue but its last.
+    const bool last_consumer = consumer == kConsumers - 1;
+    const auto my_turn = [&] { named_barrier_sync(kTurn + consumer, 256); };
     const auto pass_turn = [&](bool last) {
-      if (!(consumer == 1 && last)) named_barrier_arrive(consumer == 0 ? kTurn1 : kTurn0, 256);
+      if (!(last_consumer && last)) named_barrier_arrive(kTurn + (last_consumer ? 0 : consumer + 1), 256);
     };
-    if (consumer == 1 && tiles > 0) named_barrier_arrive(kTurn0, 256);
+    if (last_consumer && tiles > 0) named_barrier_arrive(kTurn, 256);
     // Only the last key tile can run past the sequence. In a packed batch its V rows past the
-    // sequence are zeroed before P V (both consumers, then a barrier of the two); in a padded one
+    // sequence are zeroed before P V (every consumer, then a barrier of them); in a padded one
     // they are past the tensor and read as zeros.
     const auto clean_last_v = [&](int stage) {
       const int valid_n = tile_rows(seq.len_k, (n_begin + tiles - 1) * kBlockN, kBlockN);
       if (!p.a.cu_seqlens_k || valid_n == kBlockN) return;
-      zero_rows<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, 256);
-      named_barrier_sync(kZeroed, 256);
+      zero_rows<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, valid_n, threadIdx.x - 128, kConsumerThreads);
+      named_barrier_sync(kZeroed, kConsumerThreads);
     };
 
     Slot cur, prev;  // tile i's, and tile i - 1's
@@ -265,6 +280,7 @@ struct Forward {
       pass_turn(false);
       wgmma_wait<0>();
       keep(s_flat);
+      if (lane == 0) mbarrier_arrive(&k_empty[0]);
       softmax(0, correction);  // O is still zero: nothing to rescale
       to_a();
       cur.next();
@@ -282,12 +298,13 @@ struct Forward {
       pass_turn(false);
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
+      if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(i) is free
       moved = softmax(i, correction);
       ahead_of_wait(smem_u32(&scratch), row_sum[0][0] + row_sum[0][1]);  // P(i) under P(i - 1) V
       wgmma_wait<0>();
       keep(o_flat);
       keep(pa);
-      if (lane == 0) mbarrier_arrive(&empty[prev.stage]);  // K(i - 1) and V(i - 1) are free
+      if (lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(i - 1) is free
       to_a();
     }
     if (tiles > 0) {
