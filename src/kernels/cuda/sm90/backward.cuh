@@ -286,7 +286,7 @@ struct Backward {
 
       store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, item_lane);
       fence_proxy_async();
-      named_barrier_sync(1 + consumer, 128);  // the dQ part is in shared memory
+      named_barrier_sync(kDqStored + consumer, 128);  // the dQ part is in shared memory
       if (elected) {
 #pragma unroll
         for (int cb = 0; cb < kDq / 32; ++cb)

@@ -70,8 +70,9 @@ __device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int thr
 }
 
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
-// kTurn + c is the forward's consumer c's turn to issue.
-enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kTurn = 3 };
+// kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
+// consumer c's turn to issue.
+enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.
@@ -264,7 +265,7 @@ struct Forward {
     // rather than after P(i - 1)'s softmax, where it would hold up the next issue.
     float correction[1][2];
     bool moved = false;
-    __shared__ float scratch;  // ahead_of_wait's
+    __shared__ float scratch[kConsumerThreads];  // ahead_of_wait's, a word per thread
     const auto rescale_pending = [&] {
       keep(o_flat);
       if (moved) rescale(o, correction);
@@ -300,7 +301,7 @@ struct Forward {
       keep(s_flat);
       if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(i) is free
       moved = softmax(i, correction);
-      ahead_of_wait(smem_u32(&scratch), row_sum[0][0] + row_sum[0][1]);  // P(i) under P(i - 1) V
+      ahead_of_wait(smem_u32(&scratch[threadIdx.x - 128]), row_sum[0][0] + row_sum[0][1]);  // P(i) under P(i - 1) V
       wgmma_wait<0>();
       keep(o_flat);
       keep(pa);
