@@ -84,8 +84,6 @@ bool hopper(int capability) {
 // Why the sm_90a kernels do not run this case (the forward, or the backward when `backward`), or
 // "" when they do.
 std::string hopper_gap(const AttentionArgs& a, bool backward) {
-  if (backward && a.head_dim > 128)
-    return str_cat("the sm_90a backward takes head dims up to 128, got ", a.head_dim);
   if (a.rows_q == 0 || a.rows_k == 0) return "they take no empty q or k";  // a tensor map has no empty dimension
   for (auto [o, name] : {std::pair{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}})
     if (o->head_stride > o->row_stride)
@@ -112,7 +110,7 @@ Kernels hopper_kernels(int64_t head_dim) {
 #endif
 #ifndef RINGFLASH_DISABLE_HDIM256
     case 256:
-      return {sm90::run_forward<T, 256>, nullptr};
+      return {sm90::run_forward<T, 256>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 256>)};
 #endif
     default:
       return {};

@@ -12,11 +12,11 @@ PASSES = {
     "forward": "void run_forward<{t}, {d}>(const Params&, cudaStream_t)",
     "backward": "void run_backward<{t}, {d}>(const Params&, int64_t, cudaStream_t)",
 }
-# Kernel families: file prefix, launcher header, namespace, head dims of each pass. The Hopper
-# kernels (sm_90a) have no head-dim-256 backward; CMake builds them only for architecture 90.
+# Kernel families: file prefix, launcher header, namespace, head dims of each pass. CMake builds
+# the Hopper kernels (sm_90a) only for architecture 90.
 FAMILIES = [
     ("", "../launch.cuh", "ringflash::cuda", {"forward": [64, 128, 256], "backward": [64, 128, 256]}),
-    ("sm90_", "../sm90/launch.cuh", "ringflash::cuda::sm90", {"forward": [64, 128, 256], "backward": [64, 128]}),
+    ("sm90_", "../sm90/launch.cuh", "ringflash::cuda::sm90", {"forward": [64, 128, 256], "backward": [64, 128, 256]}),
 ]
 
 HERE = Path(__file__).resolve().parent

@@ -44,8 +44,10 @@ extern template void run_forward<__nv_bfloat16, 128>(const Params&, cudaStream_t
 extern template void run_forward<__nv_bfloat16, 256>(const Params&, cudaStream_t);
 extern template void run_backward<__half, 64>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__half, 128>(const Params&, int64_t, cudaStream_t);
+extern template void run_backward<__half, 256>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__nv_bfloat16, 64>(const Params&, int64_t, cudaStream_t);
 extern template void run_backward<__nv_bfloat16, 128>(const Params&, int64_t, cudaStream_t);
+extern template void run_backward<__nv_bfloat16, 256>(const Params&, int64_t, cudaStream_t);
 
 }  // namespace sm90
 

@@ -46,8 +46,10 @@ template <typename T, int kHeadDim>
 struct Backward {
   // At head dim 64 a query tile of 128 rows: the same work per item as head dim 128 at 64 rows,
   // so the fixed costs of an item (its waits, the softmax's row loads) are shared by twice the
-  // products.
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = 128, kStages = 2;
+  // products. At head dim 256 (kWide) a block of 64 keys: dK and dV of 64 keys x 256 columns do
+  // not fit one consumer's registers, so the consumers split their columns instead (consume_wide).
+  static constexpr bool kWide = kHeadDim == 256;
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = kWide ? 64 : 128, kStages = 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -61,16 +63,17 @@ struct Backward {
   // 64 keys, the whole of dQ, needs no barrier but moves twice the bytes in reduce-adds: on an
   // H100 its backward ran 5-20% slower at head dim 128, and 2% slower on average at 64.)
   static constexpr int kDq = 64;
-  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row).
+  // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row); at head dim 256 P^T and
+  // dS^T, one tile each.
   static constexpr int kSBytes = kBlockN * kBlockM * 2;
   // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
   // swizzle), the source of its TMA reduce-adds.
-  static constexpr int kDqBytes = kDq * kDq * 4;
+  static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256 adds dQ by atomics
   // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
-  // write); two dQ parts; + room to align to 1024.
+  // write), or P^T and dS^T; two dQ parts; + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm_90a backward takes head dims 64 and 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
   using STile = Tile<kBlockN, 64>;  // one column block: the 128-byte swizzle of TMA and wgmma at a 1024-byte boundary
 
@@ -134,8 +137,12 @@ struct Backward {
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDq * kDq,
-              stats, kv_full, full, empty, group - 1, lane);
+      if constexpr (kWide)
+        consume_wide(p, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, stats, kv_full, full, empty,
+                     group - 1, lane);
+      else
+        consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDq * kDq,
+                stats, kv_full, full, empty, group - 1, lane);
     }
   }
 
@@ -300,7 +307,157 @@ struct Backward {
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
     }
     if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
-    write_dkdv(p, b, hk, seq.row_k + n0, valid_n, key0, dk, dv, lane);
+    write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
+  }
+
+  // The consumers at head dim 256 (a block of 64 keys; query tiles of 64). Per item, consumer c:
+  //   S^T and dP^T for all 64 keys and its 32 queries (wgmma m64n32, both operands K-major);
+  //   P^T and dS^T of them, stored to shared memory (after both consumers are done with the last
+  //   item's), then a barrier of the two;
+  //   dV and dK of all 64 keys and its 128 columns: += P^T dO and dS^T Q, A from shared memory;
+  //   dQ of the tile's 64 queries and its 128 columns = dS K (dS^T read transposed), added to the
+  //   fp32 accumulator by vector atomics (no room left for a staging buffer).
+  // Element (j, e) of a warp's S^T fragment is key 16 warp + lane / 4 + 8 (e / 2), query
+  // 32 c + 8 j + 2 (lane % 4) + e % 2.
+  static __device__ __forceinline__ void consume_wide(const Params& p, int64_t b, int hk, const core::Sequence& seq,
+                                                      int64_t n0, int valid_n, const core::Mask& mask,
+                                                      const Items& items, T* sk, T* sv, T* sq, T* sdo, T* sp,
+                                                      float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
+                                                      uint64_t (&full)[kStages], uint64_t (&empty)[kStages],
+                                                      int consumer, int lane) {
+    constexpr int kCols = kHeadDim / 2;  // a consumer's columns of dK, dV and dQ
+    const core::AttentionArgs& a = p.a;
+    const int warp = (threadIdx.x % 128) / 32;
+    const int key0 = warp * 16, query0 = consumer * 32, col0 = consumer * kCols;
+    const bool alibi = a.alibi_slopes != nullptr;
+    const bool plain = !alibi && p.softcap_log2 == 0.0f;
+    float dk[kCols / 2] = {}, dv[kCols / 2] = {}, dq[kCols / 2];
+    float st[16], dpt[16];  // S^T, dP^T: 64 keys x this consumer's 32 queries
+    T* sds = sp + kBlockN * kBlockM;
+    const uint32_t k_tile = smem_u32(sk);
+    const uint64_t k_desc = k_major_desc(k_tile), v_desc = k_major_desc(smem_u32(sv));
+    // P^T and dS^T as operands A (K-major) of dV and dK; dS^T read transposed (MN-major) for dQ;
+    // K's column blocks of this consumer's columns as operand B of dQ.
+    const uint64_t p_desc = k_major_desc(smem_u32(sp)), ds_desc = k_major_desc(smem_u32(sds));
+    const uint64_t ds_mn = mn_major_desc(smem_u32(sds), kBlockN * 128);
+    const uint64_t k_mn = mn_major_desc(k_tile + col0 / 64 * kBlockN * 128, kBlockN * 128);
+
+    const bool packed = a.cu_seqlens_q != nullptr;
+    const int thread = threadIdx.x - 128;  // of the 256 consumer threads
+    if (items.count > 0) mbarrier_wait(&kv_full, 0);
+    if (items.count > 0 && packed && valid_n < kBlockN) {  // K's rows past the sequence, for dQ = dS K
+      zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
+      named_barrier_sync(kZeroed, 256);
+    }
+    for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
+      const int stage = i % kStages;
+      const int h = at.head;
+      const int64_t q0 = at.tile * int64_t{kBlockM};
+      const int rows = tile_rows(seq.len_q, q0, kBlockM);
+      const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
+      const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
+      // Q's and dO's rows of this consumer as operands B (K-major) of S^T and dP^T; their column
+      // blocks of its columns, MN-major, as operands B of dK and dV.
+      const uint64_t q_desc = k_major_desc(q_tile + query0 * 128), do_desc = k_major_desc(do_tile + query0 * 128);
+      const uint64_t q_mn = mn_major_desc(q_tile + col0 / 64 * kBlockM * 128, kBlockM * 128);
+      const uint64_t do_mn = mn_major_desc(do_tile + col0 / 64 * kBlockM * 128, kBlockM * 128);
+      mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
+      if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
+        zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
+        zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, thread, 256);
+        named_barrier_sync(kZeroed, 256);
+      }
+
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<T, 32>::template ss<0, 0>(st, k_step(k_desc, kBlockN, ks), k_step(q_desc, kBlockM, ks), ks > 0);
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        Wgmma<T, 32>::template ss<0, 0>(dpt, k_step(v_desc, kBlockN, ks), k_step(do_desc, kBlockM, ks), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      keep(st);
+      keep(dpt);
+
+      const ScoreTransform f = p.score_transform(b, h);
+      const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
+      const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
+      const float* lse2 = stats[stage][0] + shift;
+      const float* dsum = stats[stage][1] + shift;
+      int item_lane = lane;  // opaque, as in consume
+      asm volatile("" : "+r"(item_lane));
+      with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + item_lane / 4 + (e / 2) * 8;
+            const int query = query0 + j * 8 + (item_lane % 4) * 2 + e % 2;
+            element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
+                f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
+          }
+      });
+      uint32_t pa[2][4], da[2][4];
+#pragma unroll
+      for (int kq = 0; kq < 2; ++kq) {
+        accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
+        accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
+      }
+      named_barrier_sync(kSFree, 256);  // both consumers' products of the last item are done
+#pragma unroll
+      for (int kq = 0; kq < 2; ++kq) {
+        store_a<STile>(sp, key0, query0 + kq * 16, pa[kq], lane);
+        store_a<STile>(sds, key0, query0 + kq * 16, da[kq], lane);
+      }
+      fence_proxy_async();
+      named_barrier_sync(kDsStored, 256);  // both consumers' halves of P^T and dS^T are in
+
+      // dV += P^T dO and dK += dS^T Q (16 queries, two 8-row atoms, per step), then dQ = dS K (16
+      // keys per step).
+      keep(dv);
+      keep(dk);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kCols>::template ss<0, 1>(dv, k_step(p_desc, kBlockN, kq), advance(do_mn, kq * 2048), true);
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kCols>::template ss<0, 1>(dk, k_step(ds_desc, kBlockN, kq), advance(q_mn, kq * 2048), true);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<T, kCols>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      keep(dv);
+      keep(dk);
+      keep(dq);
+      if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
+      add_dq(p, b, h, seq.row_q + q0, rows, col0, dq, warp, item_lane);
+    }
+    write_dkdv<kCols / 8>(p, b, hk, seq.row_k + n0, valid_n, key0, col0, dk, dv, lane);
+  }
+
+  // Adds scale * dq (warp w: query rows 16 w onwards, columns col0 onwards) to the fp32
+  // accumulator, a vector atomic per element pair; rows past the tile's and columns past the head
+  // dim are left out.
+  template <int kN>
+  static __device__ __forceinline__ void add_dq(const Params& p, int64_t b, int h, int64_t row0, int rows, int col0,
+                                                const float (&dq)[kN], int warp, int lane) {
+    const int head_dim = static_cast<int>(p.a.head_dim);
+    const float scale = p.softmax_scale;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + lane / 4 + half * 8;
+      if (r >= rows) continue;
+      float* dst = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + r) * p.dq_accum_row_stride +
+                   h * p.dq_accum_head_stride + col0 + (lane % 4) * 2;
+#pragma unroll
+      for (int j = 0; j < kN / 4; ++j)
+        if (col0 + j * 8 < head_dim) add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
+    }
   }
 
   // Writes scale * dq (warp w: rows 16 w onwards) at shared-memory address `dst`: kDq rows in
@@ -327,10 +484,12 @@ struct Backward {
       }
   }
 
-  // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV.
+  // Writes (or, in accumulate mode, adds) this warp's 16 keys of dK and dV: kN n-tiles of 8
+  // columns from col0.
+  template <int kN>
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
-                                                    int key0, const float (&dk)[kDT * 4], const float (&dv)[kDT * 4],
-                                                    int lane) {
+                                                    int key0, int col0, const float (&dk)[kN * 4],
+                                                    const float (&dv)[kN * 4], int lane) {
     const core::AttentionArgs& a = p.a;
     const int head_dim = static_cast<int>(a.head_dim);
     const float scale = p.softmax_scale;
@@ -339,9 +498,9 @@ struct Backward {
       const int key = key0 + lane / 4 + half * 8;
       if (key >= valid_n) continue;
 #pragma unroll
-      for (int j = 0; j < kDT; ++j) {
-        if (j * 8 >= head_dim) break;
-        const int col = j * 8 + (lane % 4) * 2;
+      for (int j = 0; j < kN; ++j) {
+        if (col0 + j * 8 >= head_dim) break;
+        const int col = col0 + j * 8 + (lane % 4) * 2;
         const int e = 4 * j + 2 * half;
         store_grad_pair<T>(a, a.dk, b, row0 + key, hk, col, dk[e] * scale, dk[e + 1] * scale);
         store_grad_pair<T>(a, a.dv, b, row0 + key, hk, col, dv[e], dv[e + 1]);

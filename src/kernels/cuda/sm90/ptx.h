@@ -88,10 +88,13 @@ __device__ __forceinline__ void keep(uint32_t (&a)[M][N]) {
 template <typename T, int N>
 struct Wgmma;
 
-// The accumulator operands of wgmma m64n64, m64n128 and m64n256: the register list and its
-// constraints.
+// The accumulator operands of wgmma m64n32, m64n64, m64n128 and m64n256: the register list and
+// its constraints.
+#define RINGFLASH_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define RINGFLASH_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define RINGFLASH_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define RINGFLASH_WGMMA_D16_OPS(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define RINGFLASH_WGMMA_D32_OPS(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define RINGFLASH_WGMMA_D64_OPS(d) \
@@ -130,6 +133,8 @@ struct Wgmma;
     }                                                                                                          \
   };
 
+RINGFLASH_WGMMA(__nv_bfloat16, 32, "bf16", RINGFLASH_WGMMA_D16, "16", "17", "18", "19", "20", "21", "22")
+RINGFLASH_WGMMA(__half, 32, "f16", RINGFLASH_WGMMA_D16, "16", "17", "18", "19", "20", "21", "22")
 RINGFLASH_WGMMA(__nv_bfloat16, 64, "bf16", RINGFLASH_WGMMA_D32, "32", "33", "34", "35", "36", "37", "38")
 RINGFLASH_WGMMA(__half, 64, "f16", RINGFLASH_WGMMA_D32, "32", "33", "34", "35", "36", "37", "38")
 RINGFLASH_WGMMA(__nv_bfloat16, 128, "bf16", RINGFLASH_WGMMA_D64, "64", "65", "66", "67", "68", "69", "70")
@@ -138,9 +143,11 @@ RINGFLASH_WGMMA(__nv_bfloat16, 256, "bf16", RINGFLASH_WGMMA_D128, "128", "129", 
 RINGFLASH_WGMMA(__half, 256, "f16", RINGFLASH_WGMMA_D128, "128", "129", "130", "131", "132", "133", "134")
 
 #undef RINGFLASH_WGMMA
+#undef RINGFLASH_WGMMA_D16
 #undef RINGFLASH_WGMMA_D32
 #undef RINGFLASH_WGMMA_D64
 #undef RINGFLASH_WGMMA_D128
+#undef RINGFLASH_WGMMA_D16_OPS
 #undef RINGFLASH_WGMMA_D32_OPS
 #undef RINGFLASH_WGMMA_D64_OPS
 #undef RINGFLASH_WGMMA_D128_OPS
