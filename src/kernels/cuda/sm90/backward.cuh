@@ -64,13 +64,13 @@ struct Backward {
   // H100 its backward ran 5-20% slower at head dim 128, and 2% slower on average at 64.)
   static constexpr int kDq = 64;
   // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row); at head dim 256 P^T and
-  // dS^T, one tile each.
-  static constexpr int kSBytes = kBlockN * kBlockM * 2;
+  // dS^T together.
+  static constexpr int kSBytes = kBlockN * kBlockM * 2 * (kWide ? 2 : 1);
   // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
   // swizzle), the source of its TMA reduce-adds.
   static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256 adds dQ by atomics
-  // K, V; per stage Q and dO; two dS^T buffers (one item's dQ reads the one the next item does not
-  // write), or P^T and dS^T; two dQ parts; + room to align to 1024.
+  // K, V; per stage Q and dO; two dS^T buffers, or two of P^T and dS^T (one item's products read
+  // the one the next item does not write); two dQ parts; + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
@@ -312,11 +312,12 @@ struct Backward {
 
   // The consumers at head dim 256 (a block of 64 keys; query tiles of 64). Per item, consumer c:
   //   S^T and dP^T for all 64 keys and its 32 queries (wgmma m64n32, both operands K-major);
-  //   P^T and dS^T of them, stored to shared memory (after both consumers are done with the last
-  //   item's), then a barrier of the two;
+  //   P^T and dS^T of them, stored to shared memory (two buffers by item parity: the barrier of
+  //   item i + 1 means both consumers are done with item i's), then a barrier of the two;
+  //   dQ of the tile's 64 queries and its 128 columns = dS K (dS^T read transposed), then
   //   dV and dK of all 64 keys and its 128 columns: += P^T dO and dS^T Q, A from shared memory;
-  //   dQ of the tile's 64 queries and its 128 columns = dS K (dS^T read transposed), added to the
-  //   fp32 accumulator by vector atomics (no room left for a staging buffer).
+  //   dQ is added to the fp32 accumulator by vector atomics (no room left for a staging buffer)
+  //   while dV's and dK's products run.
   // Element (j, e) of a warp's S^T fragment is key 16 warp + lane / 4 + 8 (e / 2), query
   // 32 c + 8 j + 2 (lane % 4) + e % 2.
   static __device__ __forceinline__ void consume_wide(const Params& p, int64_t b, int hk, const core::Sequence& seq,
@@ -333,13 +334,10 @@ struct Backward {
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kCols / 2] = {}, dv[kCols / 2] = {}, dq[kCols / 2];
     float st[16], dpt[16];  // S^T, dP^T: 64 keys x this consumer's 32 queries
-    T* sds = sp + kBlockN * kBlockM;
+    constexpr int kTile = kBlockN * kBlockM;  // elements of P^T or dS^T
     const uint32_t k_tile = smem_u32(sk);
     const uint64_t k_desc = k_major_desc(k_tile), v_desc = k_major_desc(smem_u32(sv));
-    // P^T and dS^T as operands A (K-major) of dV and dK; dS^T read transposed (MN-major) for dQ;
     // K's column blocks of this consumer's columns as operand B of dQ.
-    const uint64_t p_desc = k_major_desc(smem_u32(sp)), ds_desc = k_major_desc(smem_u32(sds));
-    const uint64_t ds_mn = mn_major_desc(smem_u32(sds), kBlockN * 128);
     const uint64_t k_mn = mn_major_desc(k_tile + col0 / 64 * kBlockN * 128, kBlockN * 128);
 
     const bool packed = a.cu_seqlens_q != nullptr;
@@ -406,36 +404,41 @@ struct Backward {
         accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
                              reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
       }
-      named_barrier_sync(kSFree, 256);  // both consumers' products of the last item are done
+      T* ps = sp + (i % 2) * 2 * kTile;  // this item's P^T, then dS^T
+      T* ds = ps + kTile;
 #pragma unroll
       for (int kq = 0; kq < 2; ++kq) {
-        store_a<STile>(sp, key0, query0 + kq * 16, pa[kq], lane);
-        store_a<STile>(sds, key0, query0 + kq * 16, da[kq], lane);
+        store_a<STile>(ps, key0, query0 + kq * 16, pa[kq], lane);
+        store_a<STile>(ds, key0, query0 + kq * 16, da[kq], lane);
       }
       fence_proxy_async();
       named_barrier_sync(kDsStored, 256);  // both consumers' halves of P^T and dS^T are in
 
-      // dV += P^T dO and dK += dS^T Q (16 queries, two 8-row atoms, per step), then dQ = dS K (16
-      // keys per step).
+      // dQ = dS K (dS^T read transposed, 16 keys per step), then dV += P^T dO and dK += dS^T Q
+      // (P^T, dS^T as operands A, K-major; 16 queries, two 8-row atoms, per step).
+      const uint64_t ds_mn = mn_major_desc(smem_u32(ds), kBlockN * 128);
+      const uint64_t p_desc = k_major_desc(smem_u32(ps)), ds_desc = k_major_desc(smem_u32(ds));
       keep(dv);
       keep(dk);
       wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<T, kCols>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
+      wgmma_commit();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kCols>::template ss<0, 1>(dv, k_step(p_desc, kBlockN, kq), advance(do_mn, kq * 2048), true);
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kCols>::template ss<0, 1>(dk, k_step(ds_desc, kBlockN, kq), advance(q_mn, kq * 2048), true);
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<T, kCols>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<1>();  // dQ
+      keep(dq);
+      add_dq(p, b, h, seq.row_q + q0, rows, col0, dq, warp, item_lane);
+      wgmma_wait<0>();  // dV, dK
       keep(dv);
       keep(dk);
-      keep(dq);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
-      add_dq(p, b, h, seq.row_q + q0, rows, col0, dq, warp, item_lane);
     }
     write_dkdv<kCols / 8>(p, b, hk, seq.row_k + n0, valid_n, key0, col0, dk, dv, lane);
   }

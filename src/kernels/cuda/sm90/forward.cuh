@@ -70,10 +70,9 @@ __device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int thr
 }
 
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
-// kDqStored + c: the backward's consumer c has stored its part of dQ; kSFree: every consumer of
-// the head-dim-256 backward is done with the last item's P^T and dS^T; kTurn + c: the forward's
+// kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
 // consumer c's turn to issue.
-enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kSFree = 5, kTurn = 6 };
+enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.
