@@ -1,5 +1,5 @@
-// The Hopper backward kernel (sm_90a): one thread block per (key tile of 128 keys, k/v head,
-// sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the rows of no
+// The Hopper backward kernel (sm_90a): one thread block per (key tile of 128 keys, 64 at head dim
+// 256, k/v head, sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the rows of no
 // sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its main one.
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
@@ -16,6 +16,8 @@
 //     bulk copy per 32 columns instead of an atomic per element pair. dS^T is converted and
 //     stored under dV's products, dQ under dK's.
 //   - dK and dV stay in registers over every item and are written once at the end.
+//   - Head dim 256 splits the work between the consumers differently (consume_wide): by columns
+//     for dK, dV and dQ, by queries for S^T and dP^T, with P^T and dS^T in shared memory.
 //
 // Packed batches, as in the forward: rows past a sequence in a tile are zeroed in shared memory
 // where a zero probability or dS would meet them in a product (K's rows for dQ = dS K, Q's and dO's
