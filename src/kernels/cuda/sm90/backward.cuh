@@ -461,7 +461,8 @@ struct Backward {
                    h * p.dq_accum_head_stride + col0 + (lane % 4) * 2;
 #pragma unroll
       for (int j = 0; j < kN / 4; ++j)
-        if (col0 + j * 8 < head_dim) add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
+        if (col0 + j * 8 < head_dim)
+          add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
     }
   }
 

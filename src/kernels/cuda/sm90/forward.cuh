@@ -6,12 +6,13 @@
 //     mbarrier. A stage of K (of V) is reused once every consumer warp has arrived on its
 //     `k_empty` (`v_empty`) barrier: K's as soon as S is in, V's once P V is.
 //   - The other warpgroups are the consumers, 64 query rows each: two at 240 registers, or three
-//     at 160 for head dim 64. S = Q K^T is
-//     wgmma m64n128k16 with both operands in shared memory (128-byte-swizzled column blocks of 64
-//     elements, as TMA writes them); O += P V is wgmma with P in registers and V read MN-major.
+//     at 160 for head dim 64. S = Q K^T is wgmma m64n128k16 with both operands in shared memory
+//     (128-byte-swizzled column blocks of 64 elements, as TMA writes them); O += P V is wgmma with
+//     P in registers and V read MN-major.
 //   - A consumer overlaps the softmax of key tile i with the P V product of tile i - 1: it issues
 //     S(i) and O += P(i - 1) V(i - 1), waits for S(i) alone, computes P(i) while the tensor cores
-//     run P V, then waits for that, frees the stage of tile i - 1 and rescales O.
+//     run P V (`ahead_of_wait` keeps ptxas from sinking it below the next wait), then waits for
+//     that, frees the stage of tile i - 1 and rescales O.
 //   - Ping-pong: the consumers issue their products in turn (a named barrier each), so that one's
 //     softmax runs while the tensor cores work through the others' products.
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
