@@ -1,6 +1,7 @@
 // The Hopper backward kernel (sm_90a): one thread block per (key tile of 128 keys, 64 at head dim
-// 256, k/v head, sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the rows of no
-// sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its main one.
+// 256, k/v head, sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the
+// rows of no sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its
+// main one.
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
 //     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q

@@ -282,7 +282,7 @@ struct Forward {
       pass_turn(false);
       wgmma_wait<0>();
       keep(s_flat);
-      if (lane == 0) mbarrier_arrive(&k_empty[0]);
+      if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(0) is free
       softmax(0, correction);  // O is still zero: nothing to rescale
       to_a();
       cur.next();

@@ -220,13 +220,13 @@ __device__ __forceinline__ void tma_reduce_add_4d(const void* map, const void* s
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the committed bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Waits until the committed bulk groups are complete.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // Stores x, y at shared-memory address `smem` (8-byte aligned).
 __device__ __forceinline__ void st_shared_v2(uint32_t smem, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem), "f"(x), "f"(y) : "memory");
 }
-
-// Waits until the committed bulk groups are complete.
-__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, whole warps.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
