@@ -1,7 +1,7 @@
 // The Hopper backward kernel (sm_90a): one thread block per (key tile of 128 keys, 64 at head dim
-// 256, k/v head, sequence), warp-specialised like the forward. dsum, lse2, dq's conversion and the
-// rows of no sequence are the sm_80 backward's passes (../backward.cuh); this kernel replaces its
-// main one.
+// 256, k/v head, sequence), in core::TileOrder, warp-specialised like the forward. dsum, lse2, dq's
+// conversion and the rows of no sequence are the sm_80 backward's passes (../backward.cuh); this
+// kernel replaces its main one.
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
 //     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q
@@ -80,7 +80,7 @@ struct Backward {
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
   using STile = Tile<kBlockN, 64>;  // one column block: the 128-byte swizzle of TMA and wgmma at a 1024-byte boundary
 
-  static __device__ void run(const Params& p, const BackwardMaps& maps) {
+  static __device__ void run(const Params& p, const BackwardMaps& maps, const core::TileOrder& order) {
     extern __shared__ unsigned char raw[];
     T* sk = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sv = sk + kBlockN * kHeadDim;
@@ -92,10 +92,12 @@ struct Backward {
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
 
     const core::AttentionArgs& a = p.a;
-    const int64_t b = blockIdx.z;
-    const int hk = blockIdx.y;
+    const int64_t b = blockIdx.y;
+    int hk, rank;
+    order.item(blockIdx.x, &hk, &rank);
     const core::Sequence seq = core::sequence(a, b);
-    const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
+    // Rank 0 is the first key tile: under a causal mask every query sees it.
+    const int64_t n0 = static_cast<int64_t>(rank) * kBlockN;
     if (n0 >= seq.len_k) return;
     const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
     const core::Mask mask = p.mask();
@@ -518,9 +520,10 @@ struct Backward {
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(Backward<T, kHeadDim>::kThreads, 1)
-    backward_kernel(const __grid_constant__ Params p, const __grid_constant__ BackwardMaps maps) {
+    backward_kernel(const __grid_constant__ Params p, const __grid_constant__ BackwardMaps maps,
+                    const core::TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Backward<T, kHeadDim>::run(p, maps);
+  Backward<T, kHeadDim>::run(p, maps, order);
 #endif
 }
 

@@ -1,5 +1,5 @@
 // The Hopper forward kernel (sm_90a): one thread block per (query tile of 64 rows per consumer,
-// head, sequence), warp-specialised.
+// head, sequence), in core::TileOrder, warp-specialised.
 //
 //   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
 //     every TMA copy: Q once, then K and V of each key tile into stages, each completing on an
@@ -26,6 +26,7 @@
 
 #include <cuda.h>
 
+#include "../../common/tile_order.h"
 #include "../forward.cuh"
 #include "ptx.h"
 
@@ -99,7 +100,7 @@ struct Forward {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
-  static __device__ void run(const Params& p, const Maps& maps) {
+  static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order) {
     extern __shared__ unsigned char raw[];
     T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sk = sq + kBlockM * kHeadDim;
@@ -107,11 +108,12 @@ struct Forward {
     __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 
     const core::AttentionArgs& a = p.a;
-    const int64_t b = blockIdx.z;
-    const int h = blockIdx.y;
+    const int64_t b = blockIdx.y;
+    int h, rank;
+    order.item(blockIdx.x, &h, &rank);
     const core::Sequence seq = core::sequence(a, b);
-    // The last query tiles first: under a causal mask they have the most keys.
-    const int64_t q0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBlockM;
+    // Rank 0 is the last query tile: under a causal mask it has the most keys.
+    const int64_t q0 = static_cast<int64_t>(order.tiles - 1 - rank) * kBlockM;
     if (q0 >= seq.len_q) return;
     const int rows = tile_rows(seq.len_q, q0, kBlockM);
     // The warpgroup, broadcast from lane 0 so that the compiler knows it is the same in every
@@ -327,9 +329,9 @@ struct Forward {
 
 template <typename T, int kHeadDim, bool kPlain>
 __global__ void __launch_bounds__(Forward<T, kHeadDim, kPlain>::kThreads, 1)
-    forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps) {
+    forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps, const core::TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Forward<T, kHeadDim, kPlain>::run(p, maps);
+  Forward<T, kHeadDim, kPlain>::run(p, maps, order);
 #endif
 }
 

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -98,6 +99,15 @@ inline CUtensorMap stat_map(const float* data, int64_t rows, int64_t columns, in
                 "a row statistic");
 }
 
+// core::tile_order for a launch of one block per (tile, head) of each sequence, and its grid.
+inline core::TileOrder tile_order(const Params& p, int64_t heads, int64_t tiles, int group, int64_t shared_bytes,
+                                  const char* kernel, dim3* grid) {
+  RINGFLASH_CHECK(tiles * heads <= INT32_MAX, NotSupported, "[cuda] the Hopper ", kernel, " takes at most ",
+                  INT32_MAX, " tiles x heads per sequence; got ", tiles, " x ", heads);
+  *grid = dim3(static_cast<unsigned>(tiles * heads), static_cast<unsigned>(p.a.batch));
+  return core::tile_order(p.mask(), static_cast<int>(heads), static_cast<int>(tiles), group, shared_bytes);
+}
+
 template <typename T, int kHeadDim, bool kPlain>
 void launch_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim, kPlain>;
@@ -107,10 +117,11 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
                   operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
-  const dim3 grid(blocks_for(p.max_rows_q, F::kBlockM), static_cast<unsigned>(a.heads_q),
-                  static_cast<unsigned>(a.batch));
+  dim3 grid;
+  const core::TileOrder order = tile_order(p, a.heads_q, blocks_for(p.max_rows_q, F::kBlockM), p.group,
+                                           p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, "forward", &grid);
   if (grid.x > 0) {
-    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps);
+    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 }
@@ -129,8 +140,11 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
   backward_passes<T, kHeadDim>(p, total_rows, stream, [&] {
     const core::AttentionArgs& a = p.a;
-    const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN), static_cast<unsigned>(a.heads_kv),
-                    static_cast<unsigned>(a.batch));
+    // A k/v head's blocks read q and dout of its group and add to its fp32 dq.
+    dim3 grid;
+    const core::TileOrder order =
+        tile_order(p, a.heads_kv, blocks_for(p.max_rows_k, B::kBlockN), 1,
+                   p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + 4), "backward", &grid);
     if (grid.x == 0) return;
     allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
     const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
@@ -141,7 +155,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                             stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
                             stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
                             dq_map(p, batch, B::kDq)};
-    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps);
+    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   });
 }
