@@ -163,6 +163,57 @@ struct Backward {
     }
   };
 
+  // Waits for K and V; in a packed batch, zeroes K's rows past the sequence (for dQ = dS K), with a
+  // barrier of the consumers.
+  static __device__ __forceinline__ void wait_kv(uint64_t& kv_full, const Items& items, bool packed, int valid_n,
+                                                 T* sk) {
+    if (items.count > 0) mbarrier_wait(&kv_full, 0);
+    if (items.count > 0 && packed && valid_n < kBlockN) {
+      zero_rows<kBlockN, kHeadDim>(sk, valid_n, threadIdx.x - 128, 256);
+      named_barrier_sync(kZeroed, 256);
+    }
+  }
+
+  // Waits for item i's stage; in a packed batch, zeroes Q's and dO's rows past the sequence (for
+  // dK and dV), with a barrier of the consumers.
+  static __device__ __forceinline__ void wait_stage(uint64_t (&full)[kStages], int i, bool packed, int rows, T* sq,
+                                                    T* sdo) {
+    const int stage = i % kStages;
+    mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
+    if (packed && rows < kBlockM) {
+      zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, threadIdx.x - 128, 256);
+      zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, threadIdx.x - 128, 256);
+      named_barrier_sync(kZeroed, 256);
+    }
+  }
+
+  // P^T and dS^T in place of S^T and dP^T (a warp's fragments of 16 keys from key0 and kN / 2
+  // queries from query0): element (j, e) is key key0 + lane / 4 + 8 (e / 2), query query0 + 8 j +
+  // 2 (lane % 4) + e % 2. `stat` holds the item's lse2 and dsum; `plain`: no softcap, no ALiBi.
+  template <int kN>
+  static __device__ __forceinline__ void gradients(const Params& p, int64_t b, int h, const core::Sequence& seq,
+                                                   int64_t n0, int64_t q0, int rows, int valid_n,
+                                                   const core::Mask& mask, const float (&stat)[2][kStatSlot],
+                                                   bool alibi, bool plain, int key0, int query0, int lane,
+                                                   float (&st)[kN], float (&dpt)[kN]) {
+    const ScoreTransform f = p.score_transform(b, h);
+    const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
+    const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
+    const float* lse2 = stat[0] + shift;
+    const float* dsum = stat[1] + shift;
+    with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
+#pragma unroll
+      for (int j = 0; j < kN / 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + lane / 4 + (e / 2) * 8;
+          const int query = query0 + j * 8 + (lane % 4) * 2 + e % 2;
+          element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
+              f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
+        }
+    });
+  }
+
   static __device__ __forceinline__ void consume(const Params& p, const BackwardMaps& maps, int64_t b, int hk,
                                                  const core::Sequence& seq, int64_t n0, int valid_n,
                                                  const core::Mask& mask, const Items& items, T* sk, T* sv, T* sq,
@@ -173,8 +224,6 @@ struct Backward {
     const core::AttentionArgs& a = p.a;
     const int warp = (threadIdx.x % 128) / 32;
     const int key0 = consumer * 64 + warp * 16;  // this warp's first key in the tile
-    const bool alibi = a.alibi_slopes != nullptr;
-    const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
     float dq[kDq / 2];                        // this consumer's part of dQ
@@ -188,13 +237,10 @@ struct Backward {
     const uint64_t k_desc = k_major_desc(k_tile + consumer * 64 * 128);
     const uint64_t v_desc = k_major_desc(smem_u32(sv) + consumer * 64 * 128);
 
+    const bool alibi = a.alibi_slopes != nullptr;
+    const bool plain = !alibi && p.softcap_log2 == 0.0f;
     const bool packed = a.cu_seqlens_q != nullptr;
-    const int thread = threadIdx.x - 128;  // of the 256 consumer threads
-    if (items.count > 0) mbarrier_wait(&kv_full, 0);
-    if (items.count > 0 && packed && valid_n < kBlockN) {  // K's rows past the sequence, for dQ = dS K
-      zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
-      named_barrier_sync(kZeroed, 256);
-    }
+    wait_kv(kv_full, items, packed, valid_n, sk);
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
       const int stage = i % kStages;
       const int h = at.head;
@@ -207,12 +253,7 @@ struct Backward {
       const uint64_t q_desc = k_major_desc(q_tile), do_desc = k_major_desc(do_tile);
       const uint64_t q_mn = mn_major_desc(q_tile, kBlockM * 128), do_mn = mn_major_desc(do_tile, kBlockM * 128);
       T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
-      mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
-      if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
-        zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
-        zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, thread, 256);
-        named_barrier_sync(kZeroed, 256);
-      }
+      wait_stage(full, i, packed, rows, sq, sdo);
 
       // S^T = K Q^T and dP^T = V dO^T for this consumer's 64 keys.
       wgmma_fence();
@@ -227,28 +268,11 @@ struct Backward {
       keep(st);
       keep(dpt);
 
-      // P^T and dS^T in place of S^T and dP^T. Element (j, e) of a warp's fragment is key
-      // key0 + lane / 4 + 8 (e / 2), query 8 j + 2 (lane % 4) + e % 2.
-      const ScoreTransform f = p.score_transform(b, h);
-      const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
-      const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
-      const float* lse2 = stats[stage][0] + shift;
-      const float* dsum = stats[stage][1] + shift;
       // The lane, opaque to the compiler in each item: otherwise it computes every element's
       // key and query offsets once, before the loop, and spills them.
       int item_lane = lane;
       asm volatile("" : "+r"(item_lane));
-      with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key0 + item_lane / 4 + (e / 2) * 8;
-            const int query = j * 8 + (item_lane % 4) * 2 + e % 2;
-            element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
-                f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
-          }
-      });
+      gradients(p, b, h, seq, n0, q0, rows, valid_n, mask, stats[stage], alibi, plain, key0, 0, item_lane, st, dpt);
 
       // dV += P^T dO, under which dS^T is converted and stored: 16 queries (two 8-row atoms) per
       // step, dO's column blocks kBlockM rows apart.
@@ -335,8 +359,6 @@ struct Backward {
     const core::AttentionArgs& a = p.a;
     const int warp = (threadIdx.x % 128) / 32;
     const int key0 = warp * 16, query0 = consumer * 32, col0 = consumer * kCols;
-    const bool alibi = a.alibi_slopes != nullptr;
-    const bool plain = !alibi && p.softcap_log2 == 0.0f;
     float dk[kCols / 2] = {}, dv[kCols / 2] = {}, dq[kCols / 2];
     float st[16], dpt[16];  // S^T, dP^T: 64 keys x this consumer's 32 queries
     constexpr int kTile = kBlockN * kBlockM;  // elements of P^T or dS^T
@@ -345,13 +367,10 @@ struct Backward {
     // K's column blocks of this consumer's columns as operand B of dQ.
     const uint64_t k_mn = mn_major_desc(k_tile + col0 / 64 * kBlockN * 128, kBlockN * 128);
 
+    const bool alibi = a.alibi_slopes != nullptr;
+    const bool plain = !alibi && p.softcap_log2 == 0.0f;
     const bool packed = a.cu_seqlens_q != nullptr;
-    const int thread = threadIdx.x - 128;  // of the 256 consumer threads
-    if (items.count > 0) mbarrier_wait(&kv_full, 0);
-    if (items.count > 0 && packed && valid_n < kBlockN) {  // K's rows past the sequence, for dQ = dS K
-      zero_rows<kBlockN, kHeadDim>(sk, valid_n, thread, 256);
-      named_barrier_sync(kZeroed, 256);
-    }
+    wait_kv(kv_full, items, packed, valid_n, sk);
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
       const int stage = i % kStages;
       const int h = at.head;
@@ -364,12 +383,7 @@ struct Backward {
       const uint64_t q_desc = k_major_desc(q_tile + query0 * 128), do_desc = k_major_desc(do_tile + query0 * 128);
       const uint64_t q_mn = mn_major_desc(q_tile + col0 / 64 * kBlockM * 128, kBlockM * 128);
       const uint64_t do_mn = mn_major_desc(do_tile + col0 / 64 * kBlockM * 128, kBlockM * 128);
-      mbarrier_wait(&full[stage], static_cast<uint32_t>(i / kStages) & 1u);
-      if (packed && rows < kBlockM) {  // Q's and dO's rows past the sequence, for dK and dV
-        zero_rows<kBlockM, kHeadDim>(sq + stage * kBlockM * kHeadDim, rows, thread, 256);
-        zero_rows<kBlockM, kHeadDim>(sdo + stage * kBlockM * kHeadDim, rows, thread, 256);
-        named_barrier_sync(kZeroed, 256);
-      }
+      wait_stage(full, i, packed, rows, sq, sdo);
 
       wgmma_fence();
 #pragma unroll
@@ -383,24 +397,10 @@ struct Backward {
       keep(st);
       keep(dpt);
 
-      const ScoreTransform f = p.score_transform(b, h);
-      const TileMask tile(mask, seq.pos_k + n0 - (seq.pos_q + q0), rows, valid_n);  // rows are queries
-      const int shift = static_cast<int>((seq.row_q + q0) & 3);  // the statistics start at row & ~3
-      const float* lse2 = stats[stage][0] + shift;
-      const float* dsum = stats[stage][1] + shift;
       int item_lane = lane;  // opaque, as in consume
       asm volatile("" : "+r"(item_lane));
-      with_tile_kind(!tile.whole(kBlockM, kBlockN), plain, [&](auto masked, auto plain_scores) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key0 + item_lane / 4 + (e / 2) * 8;
-            const int query = query0 + j * 8 + (item_lane % 4) * 2 + e % 2;
-            element_gradient<decltype(masked)::value, decltype(plain_scores)::value>(
-                f, tile, alibi, query, key, lse2[query], dsum[query], st[4 * j + e], dpt[4 * j + e]);
-          }
-      });
+      gradients(p, b, h, seq, n0, q0, rows, valid_n, mask, stats[stage], alibi, plain, key0, query0, item_lane, st,
+                dpt);
       uint32_t pa[2][4], da[2][4];
 #pragma unroll
       for (int kq = 0; kq < 2; ++kq) {
