@@ -33,6 +33,7 @@ using BackwardFn = void (*)(const Params&, int64_t, cudaStream_t);
 struct Kernels {
   ForwardFn forward = nullptr;
   BackwardFn backward = nullptr;
+  bool backward_writes_dq = false;  // dQ by query tiles: no fp32 accumulator
 };
 
 // Kernels are built for head dims 64, 128 and 256; a smaller head dim (a multiple of 8) runs on
@@ -110,7 +111,7 @@ Kernels hopper_kernels(int64_t head_dim) {
 #endif
 #ifndef RINGFLASH_DISABLE_HDIM256
     case 256:
-      return {sm90::run_forward<T, 256>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 256>)};
+      return {sm90::run_forward<T, 256>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 256>), true};
 #endif
     default:
       return {};
@@ -170,7 +171,10 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
     const Kernels h = a.dtype == DType::kFloat16 ? hopper_kernels<__half>(a.head_dim)
                                                  : hopper_kernels<__nv_bfloat16>(a.head_dim);
     if (h.forward && hopper_gap(a, false).empty()) chosen->forward = h.forward;
-    if (h.backward && backward && hopper_gap(a, true).empty()) chosen->backward = h.backward;
+    if (h.backward && backward && hopper_gap(a, true).empty()) {
+      chosen->backward = h.backward;
+      chosen->backward_writes_dq = h.backward_writes_dq;
+    }
   }
 #endif
   *device_out = device;
@@ -284,7 +288,7 @@ void attention_backward(const AttentionArgs& args) {
   const int64_t stat_rows = (args.rows_q + 3) / 4 * 4;
   const int64_t stat_elements =
       ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
-  const bool dq_buffer = !args.accumulate && !args.deterministic;
+  const bool dq_buffer = !args.accumulate && !args.deterministic && !k.backward_writes_dq;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
   const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
   const Scratch workspace(device, workspace_bytes, args.stream);

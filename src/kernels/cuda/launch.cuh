@@ -54,10 +54,11 @@ void run_forward(const Params& p, cudaStream_t stream) {
 }
 
 // The passes around a backward kernel: dsum and lse2 first, then main() (the kernel that computes
-// dK, dV and dQ's fp32 accumulator), then dQ (the deterministic pass, or the conversion of the
-// accumulator) and the rows of no sequence.
+// dK, dV and dQ's fp32 accumulator, or, when main_writes_dq, dQ itself), then dQ (the
+// deterministic pass, or the conversion of the accumulator) and the rows of no sequence.
 template <typename T, int kHeadDim, typename Main>
-void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, Main&& main) {
+void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, Main&& main,
+                     bool main_writes_dq = false) {
   using D = DqPass<T, kHeadDim>;
   constexpr int kThreads = 256;
   const core::AttentionArgs& a = p.a;
@@ -70,7 +71,9 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
 
   main();
 
-  if (row_heads > 0 && p.a.deterministic) {
+  if (row_heads > 0 && main_writes_dq) {
+    clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);  // as below
+  } else if (row_heads > 0 && p.a.deterministic) {
     const dim3 dq_grid(blocks_for(p.max_rows_q, D::kBlockM), static_cast<unsigned>(a.heads_q),
                        static_cast<unsigned>(a.batch));
     allow_smem(dq_kernel<T, kHeadDim>, D::kSmemBytes, "deterministic dQ", kHeadDim);

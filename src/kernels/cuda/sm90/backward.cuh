@@ -18,7 +18,8 @@
 //     stored under dV's products, dQ under dK's.
 //   - dK and dV stay in registers over every item and are written once at the end.
 //   - Head dim 256 splits the work between the consumers differently (consume_wide): by columns
-//     for dK, dV and dQ, by queries for S^T and dP^T, with P^T and dS^T in shared memory.
+//     for dK and dV, by queries for S^T and dP^T, with P^T and dS^T in shared memory. Its dQ is
+//     the dQ kernel's (dq.cuh), by query tiles: nothing goes to the accumulator.
 //
 // Packed batches, as in the forward: rows past a sequence in a tile are zeroed in shared memory
 // where a zero probability or dS would meet them in a product (K's rows for dQ = dS K, Q's and dO's
@@ -343,10 +344,8 @@ struct Backward {
   //   S^T and dP^T for all 64 keys and its 32 queries (wgmma m64n32, both operands K-major);
   //   P^T and dS^T of them, stored to shared memory (two buffers by item parity: the barrier of
   //   item i + 1 means both consumers are done with item i's), then a barrier of the two;
-  //   dQ of the tile's 64 queries and its 128 columns = dS K (dS^T read transposed), then
-  //   dV and dK of all 64 keys and its 128 columns: += P^T dO and dS^T Q, A from shared memory;
-  //   dQ is added to the fp32 accumulator by vector atomics (no room left for a staging buffer)
-  //   while dV's and dK's products run.
+  //   dV and dK of all 64 keys and its 128 columns: += P^T dO and dS^T Q, A from shared memory.
+  // dQ is the dQ kernel's (dq.cuh).
   // Element (j, e) of a warp's S^T fragment is key 16 warp + lane / 4 + 8 (e / 2), query
   // 32 c + 8 j + 2 (lane % 4) + e % 2.
   static __device__ __forceinline__ void consume_wide(const Params& p, int64_t b, int hk, const core::Sequence& seq,
@@ -355,17 +354,15 @@ struct Backward {
                                                       float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
                                                       uint64_t (&full)[kStages], uint64_t (&empty)[kStages],
                                                       int consumer, int lane) {
-    constexpr int kCols = kHeadDim / 2;  // a consumer's columns of dK, dV and dQ
+    constexpr int kCols = kHeadDim / 2;  // a consumer's columns of dK and dV
     const core::AttentionArgs& a = p.a;
     const int warp = (threadIdx.x % 128) / 32;
     const int key0 = warp * 16, query0 = consumer * 32, col0 = consumer * kCols;
-    float dk[kCols / 2] = {}, dv[kCols / 2] = {}, dq[kCols / 2];
+    float dk[kCols / 2] = {}, dv[kCols / 2] = {};
     float st[16], dpt[16];  // S^T, dP^T: 64 keys x this consumer's 32 queries
     constexpr int kTile = kBlockN * kBlockM;  // elements of P^T or dS^T
     const uint32_t k_tile = smem_u32(sk);
     const uint64_t k_desc = k_major_desc(k_tile), v_desc = k_major_desc(smem_u32(sv));
-    // K's column blocks of this consumer's columns as operand B of dQ.
-    const uint64_t k_mn = mn_major_desc(k_tile + col0 / 64 * kBlockN * 128, kBlockN * 128);
 
     const bool alibi = a.alibi_slopes != nullptr;
     const bool plain = !alibi && p.softcap_log2 == 0.0f;
@@ -419,17 +416,12 @@ struct Backward {
       fence_proxy_async();
       named_barrier_sync(kDsStored, 256);  // both consumers' halves of P^T and dS^T are in
 
-      // dQ = dS K (dS^T read transposed, 16 keys per step), then dV += P^T dO and dK += dS^T Q
-      // (P^T, dS^T as operands A, K-major; 16 queries, two 8-row atoms, per step).
-      const uint64_t ds_mn = mn_major_desc(smem_u32(ds), kBlockN * 128);
+      // dV += P^T dO and dK += dS^T Q (P^T, dS^T as operands A, K-major; 16 queries, two 8-row
+      // atoms, per step).
       const uint64_t p_desc = k_major_desc(smem_u32(ps)), ds_desc = k_major_desc(smem_u32(ds));
       keep(dv);
       keep(dk);
       wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<T, kCols>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
-      wgmma_commit();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kCols>::template ss<0, 1>(dv, k_step(p_desc, kBlockN, kq), advance(do_mn, kq * 2048), true);
@@ -437,36 +429,12 @@ struct Backward {
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kCols>::template ss<0, 1>(dk, k_step(ds_desc, kBlockN, kq), advance(q_mn, kq * 2048), true);
       wgmma_commit();
-      wgmma_wait<1>();  // dQ
-      keep(dq);
-      add_dq(p, b, h, seq.row_q + q0, rows, col0, dq, warp, item_lane);
-      wgmma_wait<0>();  // dV, dK
+      wgmma_wait<0>();
       keep(dv);
       keep(dk);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
     }
     write_dkdv<kCols / 8>(p, b, hk, seq.row_k + n0, valid_n, key0, col0, dk, dv, lane);
-  }
-
-  // Adds scale * dq (warp w: query rows 16 w onwards, columns col0 onwards) to the fp32
-  // accumulator, a vector atomic per element pair; rows past the tile's and columns past the head
-  // dim are left out.
-  template <int kN>
-  static __device__ __forceinline__ void add_dq(const Params& p, int64_t b, int h, int64_t row0, int rows, int col0,
-                                                const float (&dq)[kN], int warp, int lane) {
-    const int head_dim = static_cast<int>(p.a.head_dim);
-    const float scale = p.softmax_scale;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp * 16 + lane / 4 + half * 8;
-      if (r >= rows) continue;
-      float* dst = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + r) * p.dq_accum_row_stride +
-                   h * p.dq_accum_head_stride + col0 + (lane % 4) * 2;
-#pragma unroll
-      for (int j = 0; j < kN / 4; ++j)
-        if (col0 + j * 8 < head_dim)
-          add_pair(dst + j * 8, dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
-    }
   }
 
   // Writes scale * dq (warp w: rows 16 w onwards) at shared-memory address `dst`: kDq rows in

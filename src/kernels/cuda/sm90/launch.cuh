@@ -12,6 +12,7 @@
 #include "../check.h"
 #include "../launch.cuh"
 #include "backward.cuh"
+#include "dq.cuh"
 #include "forward.cuh"
 
 namespace ringflash::cuda::sm90 {
@@ -135,29 +136,53 @@ void run_forward(const Params& p, cudaStream_t stream) {
   clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
+// The dQ kernel of the head-dim-256 backward (dq.cuh).
+template <typename T, int kHeadDim>
+void launch_backward_dq(const Params& p, cudaStream_t stream) {
+  using D = BackwardDq<T, kHeadDim>;
+  const core::AttentionArgs& a = p.a;
+  dim3 grid;
+  const core::TileOrder order = tile_order(p, a.heads_q, blocks_for(p.max_rows_q, D::kBlockM), p.group,
+                                           p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, "dQ", &grid);
+  if (grid.x == 0) return;
+  allow_smem(backward_dq_kernel<T, kHeadDim>, D::kSmemBytes, "Hopper dQ", kHeadDim);
+  const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+  const DqMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, D::kBlockM),
+                    operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, D::kBlockM),
+                    operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, D::kBlockN),
+                    operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, D::kBlockN)};
+  backward_dq_kernel<T, kHeadDim><<<grid, D::kThreads, D::kSmemBytes, stream>>>(p, maps, order);
+  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+}
+
+// At head dim 256 (kWide) the backward kernel computes dK and dV, and the dQ kernel writes dQ.
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
-  backward_passes<T, kHeadDim>(p, total_rows, stream, [&] {
+  const auto main = [&] {
     const core::AttentionArgs& a = p.a;
-    // A k/v head's blocks read q and dout of its group and add to its fp32 dq.
+    // A k/v head's blocks read q and dout of its group and, but at head dim 256, add to its fp32 dq.
     dim3 grid;
+    const int64_t dq_bytes = B::kWide ? 0 : 4;
     const core::TileOrder order =
         tile_order(p, a.heads_kv, blocks_for(p.max_rows_k, B::kBlockN), 1,
-                   p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + 4), "backward", &grid);
-    if (grid.x == 0) return;
-    allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
-    const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
-    const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                            operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                            stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                            stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                            dq_map(p, batch, B::kDq)};
-    backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
-    RINGFLASH_CUDA_CHECK(cudaGetLastError());
-  });
+                   p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + dq_bytes), "backward", &grid);
+    if (grid.x > 0) {
+      allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
+      const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+      const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                              operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                              operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                              operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                              stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                              stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                              B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq)};
+      backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
+      RINGFLASH_CUDA_CHECK(cudaGetLastError());
+    }
+    if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
+  };
+  backward_passes<T, kHeadDim>(p, total_rows, stream, main, B::kWide);
 }
 
 }  // namespace ringflash::cuda::sm90
