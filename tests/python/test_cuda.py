@@ -79,11 +79,15 @@ def test_support_names_the_kernels():
     support = ringflash.attention_support(wide, wide, wide)
     if support.supported:  # head dim 256 is built
         assert support.kernels == ("sm90" if hopper else "sm80")
+        # No atomics at head dim 256: the sm_90a backward is deterministic as it is.
+        assert ringflash.attention_support(wide, wide, wide, deterministic=True).kernels == (
+            "sm90" if hopper else "sm80")
     cu = torch.tensor([0, 100, 256], dtype=torch.int32, device=DEVICE)
     packed = ringflash.attention_support(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu).kernels
     assert packed == ("sm90" if hopper else "sm80")
     assert ringflash.attention_support(q, k, v, deterministic=True).kernels == (
-        "sm90 forward, sm80 backward (the deterministic backward is the sm_80 one)" if hopper else "sm80")
+        "sm90 forward, sm80 backward (the deterministic backward below head dim 256 is the sm_80 one)" if hopper
+        else "sm80")
     if hopper:
         assert kernels == "sm90"
 
@@ -655,6 +659,7 @@ DETERMINISTIC_CASES = {
     "gqa4-causal-D128": (Shape(2, 1013, 1013, 8, 2, 128), dict(causal=True)),
     "mqa-cross-D64": (Shape(1, 300, 1013, 8, 1, 64), dict()),
     "window-D256": (Shape(1, 517, 517, 4, 4, 256), dict(window_size=(100, 30))),
+    "gqa2-causal-D256": (Shape(2, 700, 700, 4, 2, 256), dict(causal=True)),
     "packed-gqa4-D128": (None, dict(causal=True)),
 }
 
