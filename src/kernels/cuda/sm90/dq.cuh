@@ -52,18 +52,10 @@ struct BackwardDq {
     __shared__ uint64_t q_full, k_full[kKStages], k_empty[kKStages], v_full, v_empty;
 
     const core::AttentionArgs& a = p.a;
-    const int64_t b = blockIdx.y;
-    int h, rank;
-    order.item(blockIdx.x, &h, &rank);
-    const core::Sequence seq = core::sequence(a, b);
-    const int64_t q0 = static_cast<int64_t>(order.tiles - 1 - rank) * kBlockM;  // as in the forward
-    if (q0 >= seq.len_q) return;
-    const int rows = tile_rows(seq.len_q, q0, kBlockM);
-    const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;  // see the forward
     const core::Mask mask = p.mask();
-    int64_t n_begin, n_end;
-    key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
-    const int tiles = static_cast<int>(n_end - n_begin);
+    const auto [b, q0, n_begin, h, rows, tiles, seq] = query_tile<kBlockM, kBlockN>(p, order, mask);
+    if (rows == 0) return;
+    const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;  // see the forward
 
     if (tid == 0) {
       mbarrier_init(&q_full, 1);

@@ -71,6 +71,31 @@ __device__ __forceinline__ void zero_rows(T* tile, int from, int thread, int thr
   fence_proxy_async();
 }
 
+// A block's query tile in core::TileOrder (rank 0 is the last tile: under a causal mask it has the
+// most keys) and the key tiles [n_begin, n_begin + tiles) that its rows see; rows = 0 when the tile
+// starts past its sequence, and the block has nothing to do.
+struct QueryTile {
+  int64_t b, q0, n_begin;
+  int h, rows, tiles;
+  core::Sequence seq;
+};
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ QueryTile query_tile(const Params& p, const core::TileOrder& order, const core::Mask& mask) {
+  QueryTile t{};
+  t.b = blockIdx.y;
+  int rank;
+  order.item(blockIdx.x, &t.h, &rank);
+  t.seq = core::sequence(p.a, t.b);
+  t.q0 = static_cast<int64_t>(order.tiles - 1 - rank) * kBlockM;
+  if (t.q0 >= t.seq.len_q) return t;
+  t.rows = tile_rows(t.seq.len_q, t.q0, kBlockM);
+  int64_t n_end;
+  key_tiles<kBlockN>(mask, t.seq, t.q0, t.rows, &t.n_begin, &n_end);
+  t.tiles = static_cast<int>(n_end - t.n_begin);
+  return t;
+}
+
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
 // kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
 // consumer c's turn to issue.
@@ -108,21 +133,12 @@ struct Forward {
     __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 
     const core::AttentionArgs& a = p.a;
-    const int64_t b = blockIdx.y;
-    int h, rank;
-    order.item(blockIdx.x, &h, &rank);
-    const core::Sequence seq = core::sequence(a, b);
-    // Rank 0 is the last query tile: under a causal mask it has the most keys.
-    const int64_t q0 = static_cast<int64_t>(order.tiles - 1 - rank) * kBlockM;
-    if (q0 >= seq.len_q) return;
-    const int rows = tile_rows(seq.len_q, q0, kBlockM);
+    const core::Mask mask = p.mask();
+    const auto [b, q0, n_begin, h, rows, tiles, seq] = query_tile<kBlockM, kBlockN>(p, order, mask);
+    if (rows == 0) return;
     // The warpgroup, broadcast from lane 0 so that the compiler knows it is the same in every
     // lane (what derives from it, such as descriptors, then lives in uniform registers).
     const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;
-    const core::Mask mask = p.mask();
-    int64_t n_begin, n_end;
-    key_tiles<kBlockN>(mask, seq, q0, rows, &n_begin, &n_end);
-    const int tiles = static_cast<int>(n_end - n_begin);
 
     if (tid == 0) {
       mbarrier_init(&q_full, 1);
@@ -252,6 +268,15 @@ struct Forward {
       if (!(last_consumer && last)) named_barrier_arrive(kTurn + (last_consumer ? 0 : consumer + 1), 256);
     };
     if (last_consumer && tiles > 0) named_barrier_arrive(kTurn, 256);
+    // Under a causal mask the first consumers' rows end before the block's last key tiles: a
+    // consumer computes its first `mine` tiles only, then frees the rest as they arrive and takes
+    // its turns in the ring without issuing (every consumer takes tiles + 1 turns).
+    int mine = 0;
+    if (const int own_rows = rows - consumer * 64; own_rows > 0) {
+      int64_t first, end;
+      key_tiles<kBlockN>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
+      mine = static_cast<int>(end - n_begin < tiles ? (end > n_begin ? end - n_begin : 0) : tiles);
+    }
     // Only the last key tile can run past the sequence. In a packed batch its V rows past the
     // sequence are zeroed before P V (every consumer, then a barrier of them); in a padded one
     // they are past the tensor and read as zeros.
@@ -275,7 +300,7 @@ struct Forward {
       keep(o_flat);
       wgmma_fence();
     };
-    if (tiles > 0) {
+    if (mine > 0) {
       mbarrier_wait(&q_full, 0);
       mbarrier_wait(&k_full[0], 0);
       my_turn();
@@ -289,7 +314,7 @@ struct Forward {
       to_a();
       cur.next();
     }
-    for (int i = 1; i < tiles; ++i, cur.next(), prev.next()) {
+    for (int i = 1; i < mine; ++i, cur.next(), prev.next()) {
       mbarrier_wait(&k_full[cur.stage], cur.phase);
       mbarrier_wait(&v_full[prev.stage], prev.phase);
       keep(o_flat);
@@ -311,17 +336,33 @@ struct Forward {
       if (lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(i - 1) is free
       to_a();
     }
-    if (tiles > 0) {
+    if (mine > 0) {
       mbarrier_wait(&v_full[prev.stage], prev.phase);
-      clean_last_v(prev.stage);  // the last tile's
+      if (mine == tiles) clean_last_v(prev.stage);  // the last tile's
       keep(o_flat);
       keep(pa);
       my_turn();
       rescale_pending();
       issue_pv(prev.stage);
-      pass_turn(true);
+      pass_turn(mine == tiles);
       wgmma_wait<0>();
       keep(o_flat);
+      if (mine < tiles && lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(mine - 1) is free
+    }
+    if (mine < tiles) {  // tiles [mine, tiles): turns without products
+      if (mine == 0) {
+        my_turn();
+        pass_turn(false);
+      }
+      for (int i = mine; i < tiles; ++i, cur.next()) {
+        mbarrier_wait(&k_full[cur.stage], cur.phase);
+        if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);
+        mbarrier_wait(&v_full[cur.stage], cur.phase);
+        if (i == tiles - 1) clean_last_v(cur.stage);
+        if (lane == 0) mbarrier_arrive(&v_empty[cur.stage]);
+        my_turn();
+        pass_turn(i == tiles - 1);
+      }
     }
     write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
   }
