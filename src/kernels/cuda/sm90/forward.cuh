@@ -15,6 +15,8 @@
 //     that, frees the stage of tile i - 1 and rescales O.
 //   - Ping-pong: the consumers issue their products in turn (a named barrier each), so that one's
 //     softmax runs while the tensor cores work through the others' products.
+//   - A consumer whose rows see fewer key tiles than the block's (the first consumers, under a
+//     causal mask) computes only its own and takes its remaining turns without products.
 //   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
 //     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
 //
