@@ -161,7 +161,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
   const auto main = [&] {
     const core::AttentionArgs& a = p.a;
-    // A k/v head's blocks read q and dout of its group and, but at head dim 256, add to its fp32 dq.
+    // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
     dim3 grid;
     const int64_t dq_bytes = B::kWide ? 0 : 4;
     const core::TileOrder order =
