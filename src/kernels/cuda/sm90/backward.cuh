@@ -72,7 +72,7 @@ struct Backward {
   static constexpr int kSBytes = kBlockN * kBlockM * 2 * (kWide ? 2 : 1);
   // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
   // swizzle), the source of its TMA reduce-adds.
-  static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256 adds dQ by atomics
+  static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256: the dQ kernel's (dq.cuh)
   // K, V; per stage Q and dO; two dS^T buffers, or two of P^T and dS^T (one item's products read
   // the one the next item does not write); two dQ parts; + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
@@ -164,6 +164,22 @@ struct Backward {
     }
   };
 
+  // Item i (at `at`): its stage, q head, first query row and rows, and the shared-memory addresses
+  // of its Q and dO tiles.
+  struct ItemTiles {
+    int stage, h;
+    int64_t q0;
+    int rows;
+    uint32_t q_tile, do_tile;
+  };
+  static __device__ __forceinline__ ItemTiles item_tiles(int i, const typename Items::At& at,
+                                                         const core::Sequence& seq, T* sq, T* sdo) {
+    const int stage = i % kStages;
+    const int64_t q0 = at.tile * int64_t{kBlockM};
+    return {stage, at.head, q0, tile_rows(seq.len_q, q0, kBlockM), smem_u32(sq + stage * kBlockM * kHeadDim),
+            smem_u32(sdo + stage * kBlockM * kHeadDim)};
+  }
+
   // Waits for K and V; in a packed batch, zeroes K's rows past the sequence (for dQ = dS K), with a
   // barrier of the consumers.
   static __device__ __forceinline__ void wait_kv(uint64_t& kv_full, const Items& items, bool packed, int valid_n,
@@ -243,12 +259,7 @@ struct Backward {
     const bool packed = a.cu_seqlens_q != nullptr;
     wait_kv(kv_full, items, packed, valid_n, sk);
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
-      const int stage = i % kStages;
-      const int h = at.head;
-      const int64_t q0 = at.tile * int64_t{kBlockM};
-      const int rows = tile_rows(seq.len_q, q0, kBlockM);
-      const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
-      const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
+      const auto [stage, h, q0, rows, q_tile, do_tile] = item_tiles(i, at, seq, sq, sdo);
       // Q and dO as operands B: K-major for S^T and dP^T, MN-major (column blocks kBlockM rows
       // apart) for dK and dV.
       const uint64_t q_desc = k_major_desc(q_tile), do_desc = k_major_desc(do_tile);
@@ -369,12 +380,7 @@ struct Backward {
     const bool packed = a.cu_seqlens_q != nullptr;
     wait_kv(kv_full, items, packed, valid_n, sk);
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
-      const int stage = i % kStages;
-      const int h = at.head;
-      const int64_t q0 = at.tile * int64_t{kBlockM};
-      const int rows = tile_rows(seq.len_q, q0, kBlockM);
-      const uint32_t q_tile = smem_u32(sq + stage * kBlockM * kHeadDim);
-      const uint32_t do_tile = smem_u32(sdo + stage * kBlockM * kHeadDim);
+      const auto [stage, h, q0, rows, q_tile, do_tile] = item_tiles(i, at, seq, sq, sdo);
       // Q's and dO's rows of this consumer as operands B (K-major) of S^T and dP^T; their column
       // blocks of its columns, MN-major, as operands B of dK and dV.
       const uint64_t q_desc = k_major_desc(q_tile + query0 * 128), do_desc = k_major_desc(do_tile + query0 * 128);
