@@ -57,6 +57,7 @@ struct Backward {
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(fits_block_registers(kThreads, kProducerRegs, kConsumerRegs), "within the block's registers");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
   // The statistics' box: a query tile's rows plus 4; each in a slot of whole 128-byte lines (a TMA
   // copy's destination is 128-byte aligned).

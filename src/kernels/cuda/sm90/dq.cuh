@@ -37,6 +37,7 @@ struct BackwardDq {
   static constexpr int kConsumers = 2, kBlockM = 64 * kConsumers, kBlockN = 64, kKStages = 2;
   static constexpr int kThreads = 128 * (kConsumers + 1), kConsumerWarps = 4 * kConsumers;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(fits_block_registers(kThreads, kProducerRegs, kConsumerRegs), "within the block's registers");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
   // Q, dO; K's stages, V; + room to align to 1024.
   static constexpr int kSmemBytes = 2 * kQBytes + (kKStages + 1) * kKVBytes + 1024;

@@ -120,10 +120,7 @@ struct Forward {
   static constexpr int kThreads = 128 * (kConsumers + 1), kConsumerThreads = 128 * kConsumers;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
-  // setmaxnreg.inc waits on a pool per block, which holds what the block launched with (65536 /
-  // kThreads per thread, in steps of 8): beyond it the consumers would wait forever.
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536 / kThreads / 8 * 8 * kThreads,
-                "within the block's registers");
+  static_assert(fits_block_registers(kThreads, kProducerRegs, kConsumerRegs), "within the block's registers");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
   static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;

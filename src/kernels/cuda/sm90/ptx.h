@@ -251,4 +251,14 @@ __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Whether a block of `threads` (a producer warpgroup, the rest consumers) can move to `producer`
+// and `consumer` registers per thread. setmaxnreg.inc waits on a pool per block, which holds what
+// the block launched with (65536 / threads per thread, in steps of 8): beyond it the consumers
+// would wait forever.
+constexpr bool fits_block_registers(int threads, int producer, int consumer) {
+  return producer * 128 + consumer * (threads - 128) <= 65536 / threads / 8 * 8 * threads;
+}
+static_assert(fits_block_registers(384, 24, 240) && !fits_block_registers(384, 32, 240), "168 x 384 = 64512");
+static_assert(fits_block_registers(512, 32, 160), "128 x 512 = 65536");
+
 }  // namespace ringflash::cuda::sm90
