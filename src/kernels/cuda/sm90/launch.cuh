@@ -109,6 +109,14 @@ inline core::TileOrder tile_order(const Params& p, int64_t heads, int64_t tiles,
   return core::tile_order(p.mask(), static_cast<int>(heads), static_cast<int>(tiles), group, shared_bytes);
 }
 
+// The same for a kernel of query tiles of block_m rows (the forward, the dQ kernel): a q head's
+// blocks read k and v of its k/v head, which the heads of a group share.
+template <typename T, int kHeadDim>
+core::TileOrder query_tile_order(const Params& p, int block_m, const char* kernel, dim3* grid) {
+  return tile_order(p, p.a.heads_q, blocks_for(p.max_rows_q, block_m), p.group,
+                    p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, kernel, grid);
+}
+
 template <typename T, int kHeadDim, bool kPlain>
 void launch_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim, kPlain>;
@@ -119,8 +127,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
                   operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
                   operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
   dim3 grid;
-  const core::TileOrder order = tile_order(p, a.heads_q, blocks_for(p.max_rows_q, F::kBlockM), p.group,
-                                           p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, "forward", &grid);
+  const core::TileOrder order = query_tile_order<T, kHeadDim>(p, F::kBlockM, "forward", &grid);
   if (grid.x > 0) {
     forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
@@ -142,8 +149,7 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
   using D = BackwardDq<T, kHeadDim>;
   const core::AttentionArgs& a = p.a;
   dim3 grid;
-  const core::TileOrder order = tile_order(p, a.heads_q, blocks_for(p.max_rows_q, D::kBlockM), p.group,
-                                           p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, "dQ", &grid);
+  const core::TileOrder order = query_tile_order<T, kHeadDim>(p, D::kBlockM, "dQ", &grid);
   if (grid.x == 0) return;
   allow_smem(backward_dq_kernel<T, kHeadDim>, D::kSmemBytes, "Hopper dQ", kHeadDim);
   const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
