@@ -17,8 +17,10 @@
 //     softmax runs while the tensor cores work through the others' products.
 //   - A consumer whose rows see fewer key tiles than the block's (the first consumers, under a
 //     causal mask) computes only its own and takes its remaining turns without products.
-//   - The softmax (scale, softcap, ALiBi, mask) and the epilogue (accumulate mode included) are the
-//     sm_80 kernel's: a wgmma accumulator holds, per warp, the fragments of mma.sync m16n8k16.
+//   - The softmax (scale, softcap, ALiBi, mask) is the sm_80 kernel's: a wgmma accumulator holds,
+//     per warp, the fragments of mma.sync m16n8k16. A whole query tile's output goes out by TMA
+//     from shared memory (each consumer's rows into its rows of the Q tile, which its products no
+//     longer read); partial tiles and accumulate mode take the sm_80 epilogue, from registers.
 //
 // Packed batches: a TMA box does not stop at a sequence's end, so the last key tile of a sequence
 // may hold rows of the next one (or rows of no sequence), which may hold anything, NaN included.
@@ -36,9 +38,11 @@ namespace ringflash::cuda::sm90 {
 
 // q, k and v as 4-D tensor maps (head dim, heads, rows, batch), 128-byte swizzle, boxes of 64
 // columns x 1 head x the kernel's tile rows x 1; columns past the head dim and rows past the tensor
-// read as 0. A packed batch is one sequence of the maps (batch 1).
+// read as 0. A packed batch is one sequence of the maps (batch 1). `out` likewise with boxes of 64
+// rows (a consumer's), set where `store_out`: the output is in the input dtype (no accumulate mode).
 struct Maps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, out;
+  bool store_out;
 };
 
 // Loads rows [row, row + kRows) of head h, sequence b of a (kHeadDim-column) operand into
@@ -101,7 +105,8 @@ __device__ __forceinline__ QueryTile query_tile(const Params& p, const core::Til
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
 // kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
 // consumer c's turn to issue.
-enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5 };
+// kOutStaged + c: the forward's consumer c has put its rows of the output in shared memory.
+enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5, kOutStaged = 8 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.
@@ -143,6 +148,10 @@ struct Forward {
     const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;
 
     if (tid == 0) {
+      prefetch_tensormap(&maps.q);
+      prefetch_tensormap(&maps.k);
+      prefetch_tensormap(&maps.v);
+      if (maps.store_out) prefetch_tensormap(&maps.out);
       mbarrier_init(&q_full, 1);
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(&k_full[s], 1);
@@ -176,12 +185,13 @@ struct Forward {
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
-      consume(p, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, k_empty, v_empty,
-              group - 1, lane);
+      consume(p, maps, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, k_empty,
+              v_empty, group - 1, lane);
     }
   }
 
-  static __device__ __forceinline__ void consume(const Params& p, int64_t b, int h, const core::Sequence& seq,
+  static __device__ __forceinline__ void consume(const Params& p, const Maps& maps, int64_t b, int h,
+                                                 const core::Sequence& seq,
                                                  int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
                                                  int tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
@@ -366,7 +376,52 @@ struct Forward {
         pass_turn(i == tiles - 1);
       }
     }
-    write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
+    if (maps.store_out && rows == kBlockM) {
+      // The consumer's rows of Q are free once its products are in; with no products of its own
+      // (mine == 0), once Q has arrived, so that the copy does not land on the output.
+      if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, 0);
+      store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, sq, consumer, lane, warp_row0);
+    } else {
+      write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
+    }
+  }
+
+  // Normalises this consumer's 64 rows of O into its rows of the Q tile (as TMA lays a tile out:
+  // 128-byte swizzle) and stores them by TMA; writes their lse. Every row is the sequence's.
+  static __device__ __forceinline__ void store_output(const Params& p, const Maps& maps, int64_t b, int h,
+                                                      const core::Sequence& seq, int64_t q0,
+                                                      const float (&o)[1][kDT][4], const float (&row_max)[1][2],
+                                                      const float (&row_sum)[1][2], T* sq, int consumer, int lane,
+                                                      int warp_row0) {
+    const core::AttentionArgs& a = p.a;
+    // Element (dt, i) of o is row warp_row0 + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2:
+    // in the tile's column block dt / 8, 16-byte chunk dt % 8, which the 128-byte swizzle places at
+    // chunk (dt % 8) ^ (row % 8). A warp's store writes 8 rows x 4 words, one word per bank.
+    const uint32_t tile = smem_u32(sq);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[0][half]);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int r = warp_row0 + lane / 4 + half * 8;
+      if (lane % 4 == 0)
+        a.lse[p.lse_index(b, h, seq.row_q + q0 + r)] = sum > 0.0f ? (row_max[0][half] + log2f(sum)) * kLn2 : -INFINITY;
+      const uint32_t row = tile + r * 128 + (lane % 4) * 4;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+        st_shared_b32(row + (dt / 8) * kBlockM * 128 + (((dt % 8) ^ (r % 8)) * 16),
+                      Mma<T>::pack(o[0][dt][2 * half] * inv, o[0][dt][2 * half + 1] * inv));
+    }
+    fence_proxy_async();
+    named_barrier_sync(kOutStaged + consumer, 128);
+    if (threadIdx.x % 128 == 0) {
+      const int64_t tb = a.cu_seqlens_q ? 0 : b;
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 64; ++c)
+        tma_store_4d(&maps.out, sq + c * kBlockM * 64 + consumer * 64 * 64, c * 64, h,
+                     static_cast<int>(seq.row_q + q0 + consumer * 64), static_cast<int>(tb));
+      bulk_commit();
+      bulk_wait_read();  // the block's shared memory outlives the copy's reads of it
+    }
   }
 };
 

@@ -123,9 +123,14 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   const core::AttentionArgs& a = p.a;
   allow_smem(forward_kernel<T, kHeadDim, kPlain>, F::kSmemBytes, "Hopper forward", kHeadDim);
   const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
-  const Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
-                  operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
-                  operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN)};
+  Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
+            operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
+            operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
+            {},
+            !a.accumulate};
+  // Whole query tiles go out through shared memory by TMA (a consumer's rows as one box), partial
+  // ones and fp32 accumulators from registers. attention_forward holds out to q's alignment rule.
+  if (maps.store_out) maps.out = operand_map<T>(a.out, a.head_dim, a.heads_q, a.rows_q, batch, 64);
   dim3 grid;
   const core::TileOrder order = query_tile_order<T, kHeadDim>(p, F::kBlockM, "forward", &grid);
   if (grid.x > 0) {

@@ -217,6 +217,22 @@ __device__ __forceinline__ void tma_reduce_add_4d(const void* map, const void* s
       "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
       : "memory");
 }
+// Stores a 4-D tile in shared memory at `src` to the tensor map `map` at (c0 .. c3), by the copy
+// engine (a bulk group: commit, then wait for its reads before `src` is reused or the block exits).
+__device__ __forceinline__ void tma_store_4d(const void* map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(src))
+               : "memory");
+}
+// Starts fetching a tensor map (a kernel parameter) for the copy engine, ahead of its first use.
+__device__ __forceinline__ void prefetch_tensormap(const void* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// Stores a 32-bit word at shared-memory address `smem`.
+__device__ __forceinline__ void st_shared_b32(uint32_t smem, uint32_t x) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem), "r"(x) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the committed bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
