@@ -178,6 +178,9 @@ struct Forward {
           const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
           mbarrier_arrive_expect(&k_full[stage], kKVBytes);
           load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
+          // The first product needs Q and K(0) alone: the other stages' copies wait for them rather
+          // than share the SM's bandwidth with them.
+          if (i == 0) mbarrier_wait(&k_full[0], 0);
           if (reuse) mbarrier_wait(&v_empty[stage], parity);
           mbarrier_arrive_expect(&v_full[stage], kKVBytes);
           load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
