@@ -399,32 +399,41 @@ struct Forward {
     const core::AttentionArgs& a = p.a;
     // Element (dt, i) of o is row warp_row0 + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2:
     // in the tile's column block dt / 8, 16-byte chunk dt % 8, which the 128-byte swizzle places at
-    // chunk (dt % 8) ^ (row % 8). A warp's store writes 8 rows x 4 words, one word per bank.
+    // chunk (dt % 8) ^ (row % 8). A warp's store writes 8 rows x 4 words, one word per bank. The
+    // rows' lse is computed and written while the copy runs.
+    float sum[2], inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      sum[half] = quad_sum(row_sum[0][half]);
+      inv[half] = sum[half] > 0.0f ? 1.0f / sum[half] : 0.0f;
+    }
     const uint32_t tile = smem_u32(sq);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_sum[0][half]);
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int r = warp_row0 + lane / 4 + half * 8;
-      if (lane % 4 == 0)
-        a.lse[p.lse_index(b, h, seq.row_q + q0 + r)] = sum > 0.0f ? (row_max[0][half] + log2f(sum)) * kLn2 : -INFINITY;
       const uint32_t row = tile + r * 128 + (lane % 4) * 4;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt)
         st_shared_b32(row + (dt / 8) * kBlockM * 128 + (((dt % 8) ^ (r % 8)) * 16),
-                      Mma<T>::pack(o[0][dt][2 * half] * inv, o[0][dt][2 * half + 1] * inv));
+                      Mma<T>::pack(o[0][dt][2 * half] * inv[half], o[0][dt][2 * half + 1] * inv[half]));
     }
     fence_proxy_async();
     named_barrier_sync(kOutStaged + consumer, 128);
-    if (threadIdx.x % 128 == 0) {
+    const bool issuer = threadIdx.x % 128 == 0;
+    if (issuer) {
       const int64_t tb = a.cu_seqlens_q ? 0 : b;
 #pragma unroll
       for (int c = 0; c < kHeadDim / 64; ++c)
         tma_store_4d(&maps.out, sq + c * kBlockM * 64 + consumer * 64 * 64, c * 64, h,
                      static_cast<int>(seq.row_q + q0 + consumer * 64), static_cast<int>(tb));
       bulk_commit();
-      bulk_wait_read();  // the block's shared memory outlives the copy's reads of it
     }
+    if (lane % 4 == 0)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        a.lse[p.lse_index(b, h, seq.row_q + q0 + warp_row0 + lane / 4 + half * 8)] =
+            sum[half] > 0.0f ? (row_max[0][half] + log2f(sum[half])) * kLn2 : -INFINITY;
+    if (issuer) bulk_wait_read();  // the block's shared memory outlives the copy's reads of it
   }
 };
 
