@@ -44,6 +44,11 @@ namespace ringflash::cuda::sm90 {
 struct BackwardMaps {
   CUtensorMap q, dout, k, v, lse2, dsum;
   CUtensorMap dq;  // the fp32 accumulator (head dim, heads, rows, batch), boxes of 32 x 1 x kDq x 1
+  // dk and dv as the operands' maps with boxes of a consumer's 64 keys, set where `store_grads`:
+  // they are in the input dtype (no accumulate mode) and the consumers hold whole rows (not head dim
+  // 256).
+  CUtensorMap dk, dv;
+  bool store_grads;
 };
 
 template <typename T, int kHeadDim>
@@ -348,8 +353,50 @@ struct Backward {
       keep(da);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
     }
+    if (maps.store_grads && valid_n == kBlockN) {
+      // dV into this consumer's rows of V (only its own dP^T products read them), dK into a tile of
+      // the stage the last item left (both consumers are past its products): consumer 0 takes its
+      // Q tile, consumer 1 its dO tile. Neither waits for the last reduce-add.
+      T* sdk = (consumer == 0 ? sq : sdo) + items.count % kStages * kBlockM * kHeadDim;
+      T* sdv = sv + consumer * 64 * 64;
+      constexpr int kDkBlock = kBlockM * 64, kDvBlock = kBlockN * 64;  // column blocks apart, elements
+      stage_rows<kDT>(smem_u32(sdk), kDkBlock * 2, dk, p.softmax_scale, warp, lane);
+      stage_rows<kDT>(smem_u32(sdv), kDvBlock * 2, dv, 1.0f, warp, lane);
+      fence_proxy_async();
+      named_barrier_sync(kOutStaged + consumer, 128);
+      if (elected) {
+        const int row = static_cast<int>(seq.row_k + n0 + consumer * 64), tb = packed ? 0 : static_cast<int>(b);
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 64; ++c) {
+          tma_store_4d(&maps.dk, sdk + c * kDkBlock, c * 64, hk, row, tb);
+          tma_store_4d(&maps.dv, sdv + c * kDvBlock, c * 64, hk, row, tb);
+        }
+        bulk_commit();
+        bulk_wait_read();  // the block's shared memory outlives the reads of these copies and the reduce-adds
+      }
+      return;
+    }
     if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
     write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
+  }
+
+  // Writes scale * x, this warp's 16 of the consumer's 64 rows (kN n-tiles of 8 columns, as
+  // write_dkdv takes them), at shared-memory address `dst` in the input dtype: column blocks of
+  // 128-byte rows, `block_bytes` apart, with the 128-byte swizzle (16-byte chunk c of row r at
+  // c ^ (r % 8)), as a TMA store reads them. A warp's store writes 8 rows x 4 words, one word per
+  // bank.
+  template <int kN>
+  static __device__ __forceinline__ void stage_rows(uint32_t dst, int block_bytes, const float (&x)[kN * 4],
+                                                    float scale, int warp, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + lane / 4 + half * 8;
+      const uint32_t row = dst + r * 128 + (lane % 4) * 4;
+#pragma unroll
+      for (int j = 0; j < kN; ++j)
+        st_shared_b32(row + (j / 8) * block_bytes + (((j % 8) ^ (r % 8)) * 16),
+                      Mma<T>::pack(x[4 * j + 2 * half] * scale, x[4 * j + 2 * half + 1] * scale));
+    }
   }
 
   // The consumers at head dim 256 (a block of 64 keys; query tiles of 64). Per item, consumer c:

@@ -181,13 +181,23 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     if (grid.x > 0) {
       allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
       const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
-      const BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                              operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                              operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                              operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                              stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                              stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                              B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq)};
+      BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                        operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                        operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                        operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                        stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                        stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                        B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq),
+                        {},
+                        {},
+                        !a.accumulate && !B::kWide};
+      // Whole key tiles' dK and dV go out through shared memory by TMA (a consumer's 64 keys as
+      // one box), partial ones and fp32 accumulators from registers. attention_backward holds dk
+      // and dv to q's alignment rule.
+      if (maps.store_grads) {
+        maps.dk = operand_map<T>(a.dk, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
+        maps.dv = operand_map<T>(a.dv, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
+      }
       backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
       RINGFLASH_CUDA_CHECK(cudaGetLastError());
     }
