@@ -16,7 +16,9 @@
 //     and adds its part of dQ to the fp32 accumulator by TMA reduce-adds from shared memory, one
 //     bulk copy per 32 columns instead of an atomic per element pair. dS^T is converted and
 //     stored under dV's products, dQ under dK's.
-//   - dK and dV stay in registers over every item and are written once at the end.
+//   - dK and dV stay in registers over every item and are written once at the end: a whole key
+//     tile's by TMA from shared memory (dV through the consumer's own rows of V, dK through a tile
+//     of the stage the last item left), a partial one or fp32 accumulators from registers.
 //   - Head dim 256 splits the work between the consumers differently (consume_wide): by columns
 //     for dK and dV, by queries for S^T and dP^T, with P^T and dS^T in shared memory. Its dQ is
 //     the dQ kernel's (dq.cuh), by query tiles: nothing goes to the accumulator.
