@@ -34,6 +34,7 @@ struct Kernels {
   ForwardFn forward = nullptr;
   BackwardFn backward = nullptr;
   bool backward_writes_dq = false;  // dQ by query tiles: no fp32 accumulator
+  bool forward_counts_items = false;  // the sm_90a forward: Params::items_taken (its persistent instances)
 };
 
 // Kernels are built for head dims 64, 128 and 256; a smaller head dim (a multiple of 8) runs on
@@ -173,7 +174,10 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
   if (hopper(capability)) {
     const Kernels h = a.dtype == DType::kFloat16 ? hopper_kernels<__half>(a.head_dim)
                                                  : hopper_kernels<__nv_bfloat16>(a.head_dim);
-    if (h.forward && hopper_gap(a, false).empty()) chosen->forward = h.forward;
+    if (h.forward && hopper_gap(a, false).empty()) {
+      chosen->forward = h.forward;
+      chosen->forward_counts_items = true;
+    }
     if (h.backward && backward && hopper_gap(a, true).empty()) {
       chosen->backward = h.backward;
       chosen->backward_writes_dq = h.backward_writes_dq;
@@ -262,7 +266,9 @@ void attention_forward(const AttentionArgs& args) {
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_forward] ", reason);
   check_aligned("attention_forward", {{&args.out, "out"}}, args.out_dtype);
   DeviceGuard guard(device);
-  const Params p = make_params(args);
+  Params p = make_params(args);
+  const Scratch taken(device, k.forward_counts_items ? sizeof(int) : 0, args.stream);
+  p.items_taken = static_cast<int*>(taken.data);
   k.forward(p, static_cast<cudaStream_t>(args.stream));
 }
 

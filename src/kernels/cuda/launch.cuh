@@ -16,6 +16,14 @@ inline unsigned blocks_for(int64_t items, int64_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
+// The current device's SM count.
+inline int sm_count() {
+  int device = 0, sms = 0;
+  RINGFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // Raises a kernel's dynamic shared-memory limit; cheap, and allowed during graph capture. A device
 // with less shared memory per block than the kernel needs (sm_86/sm_89 have 99 KB) gets a
 // NotSupported naming both figures.

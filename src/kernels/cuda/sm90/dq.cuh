@@ -54,7 +54,8 @@ struct BackwardDq {
 
     const core::AttentionArgs& a = p.a;
     const core::Mask mask = p.mask();
-    const auto [b, q0, n_begin, h, rows, tiles, seq] = query_tile<kBlockM, kBlockN>(p, order, mask);
+    const auto [b, q0, n_begin, h, rows, tiles, seq] =
+        query_tile<kBlockM, kBlockN>(p, order, mask, blockIdx.y, blockIdx.x);
     if (rows == 0) return;
     const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;  // see the forward
 

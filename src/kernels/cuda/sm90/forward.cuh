@@ -1,10 +1,15 @@
-// The Hopper forward kernel (sm_90a): one thread block per (query tile of 64 rows per consumer,
-// head, sequence), in core::TileOrder, warp-specialised.
+// The Hopper forward kernel (sm_90a), warp-specialised. Its items are (query tile of 64 rows per
+// consumer, head, sequence), in core::TileOrder: at head dims 128 and 256 a thread block per item;
+// at head dim 64 a block per SM takes items in turn from a counter (persistent), and the K/V
+// stages and the consumers' turns run on from item to item.
 //
 //   - Warpgroup 0 is the producer: it gives its registers up (setmaxnreg), and one thread issues
-//     every TMA copy: Q once, then K and V of each key tile into stages, each completing on an
-//     mbarrier. A stage of K (of V) is reused once every consumer warp has arrived on its
-//     `k_empty` (`v_empty`) barrier: K's as soon as S is in, V's once P V is.
+//     the TMA copies of K and V of each key tile into stages, each completing on an mbarrier. A
+//     stage of K (of V) is reused once every consumer warp has arrived on its `k_empty`
+//     (`v_empty`) barrier: K's as soon as S is in, V's once P V is. Q: a block per item, the
+//     producer loads the tile once; persistent, the producer hands each item to the consumers in
+//     shared memory and each consumer loads its own rows of Q once its last output is out of them,
+//     so that the producer's K and V never wait for a consumer's epilogue.
 //   - The other warpgroups are the consumers, 64 query rows each: two at 240 registers, or three
 //     at 160 for head dim 64. S = Q K^T is wgmma m64n128k16 with both operands in shared memory
 //     (128-byte-swizzled column blocks of 64 elements, as TMA writes them); O += P V is wgmma with
@@ -87,11 +92,12 @@ struct QueryTile {
 };
 
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ QueryTile query_tile(const Params& p, const core::TileOrder& order, const core::Mask& mask) {
+__device__ __forceinline__ QueryTile query_tile(const Params& p, const core::TileOrder& order, const core::Mask& mask,
+                                                int64_t b, int block) {
   QueryTile t{};
-  t.b = blockIdx.y;
+  t.b = b;
   int rank;
-  order.item(blockIdx.x, &t.h, &rank);
+  order.item(block, &t.h, &rank);
   t.seq = core::sequence(p.a, t.b);
   t.q0 = static_cast<int64_t>(order.tiles - 1 - rank) * kBlockM;
   if (t.q0 >= t.seq.len_q) return t;
@@ -101,6 +107,25 @@ __device__ __forceinline__ QueryTile query_tile(const Params& p, const core::Til
   t.tiles = static_cast<int>(n_end - t.n_begin);
   return t;
 }
+
+// The items of a persistent launch: (sequence, query tile) pairs [0, items), sequence by sequence,
+// each sequence's in core::TileOrder. Block x takes item x first, then the next one not yet taken:
+// gridDim.x + the count at `taken` (zeroed before the launch).
+struct Schedule {
+  int* taken;
+  int items;
+  __device__ __forceinline__ int next() const { return static_cast<int>(gridDim.x) + atomicAdd(taken, 1); }
+};
+
+// A stage of a ring of kStages and the parity of its current use, walked along a stream of tiles.
+template <int kStages>
+struct Slot {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == kStages) stage = 0, phase ^= 1u;
+  }
+};
 
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
 // kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
@@ -132,17 +157,36 @@ struct Forward {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
 
-  static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order) {
+  // Head dim 64 runs persistent: a block per SM takes items from a Schedule, so that an item's
+  // start (its tile, Q and K(0) in) overlaps the last item's end. Head dims 128 and 256 run a
+  // block per item: persistent, head dim 128 ran 0.93-0.98x at 8k-16k (bench/NOTES.md, h29).
+  static constexpr bool kPersistent = kHeadDim == 64;
+
+  static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order, const Schedule& work) {
     extern __shared__ unsigned char raw[];
     T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sk = sq + kBlockM * kHeadDim;
     T* sv = sk + kStages * kBlockN * kHeadDim;
-    __shared__ uint64_t q_full, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+    // q_full[c]: consumer c's rows of Q are in (a block per item: q_full[0], the whole tile).
+    __shared__ uint64_t q_full[kConsumers];
+    __shared__ uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+    // Persistent: the producer hands items to the consumers through two slots, each complete
+    // (item_full) once written and free (item_empty) once every consumer warp has read it; rows 0
+    // says that none is left.
+    __shared__ uint64_t item_full[2], item_empty[2];
+    __shared__ alignas(QueryTile) unsigned char items_storage[2 * sizeof(QueryTile)];
+    auto& items = *reinterpret_cast<QueryTile(*)[2]>(items_storage);
 
-    const core::AttentionArgs& a = p.a;
     const core::Mask mask = p.mask();
-    const auto [b, q0, n_begin, h, rows, tiles, seq] = query_tile<kBlockM, kBlockN>(p, order, mask);
-    if (rows == 0) return;
+    const int per_sequence = order.heads * order.tiles;
+    const auto tile_of = [&](int item) {
+      return query_tile<kBlockM, kBlockN>(p, order, mask, item / per_sequence, item % per_sequence);
+    };
+    QueryTile own{};  // a block per item: its one
+    if constexpr (!kPersistent) {
+      own = query_tile<kBlockM, kBlockN>(p, order, mask, blockIdx.y, blockIdx.x);
+      if (own.rows == 0) return;
+    }
     // The warpgroup, broadcast from lane 0 so that the compiler knows it is the same in every
     // lane (what derives from it, such as descriptors, then lives in uniform registers).
     const int tid = threadIdx.x, group = __shfl_sync(~0u, tid / 128, 0), lane = tid % 32;
@@ -152,7 +196,11 @@ struct Forward {
       prefetch_tensormap(&maps.k);
       prefetch_tensormap(&maps.v);
       if (maps.store_out) prefetch_tensormap(&maps.out);
-      mbarrier_init(&q_full, 1);
+      for (int c = 0; c < kConsumers; ++c) mbarrier_init(&q_full[c], 1);
+      for (int j = 0; j < 2; ++j) {
+        mbarrier_init(&item_full[j], 1);
+        mbarrier_init(&item_empty[j], kConsumerWarps);
+      }
       for (int s = 0; s < kStages; ++s) {
         mbarrier_init(&k_full[s], 1);
         mbarrier_init(&v_full[s], 1);
@@ -165,41 +213,120 @@ struct Forward {
 
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
-      if (tid == 0 && tiles > 0) {
-        const int hk = h / p.group;
-        const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
-        mbarrier_arrive_expect(&q_full, kQBytes);
-        load_tile<kBlockM, kHeadDim>(sq, &maps.q, &q_full, seq.row_q + q0, h, tb);
-        for (int i = 0; i < tiles; ++i) {
-          const int stage = i % kStages;
-          const bool reuse = i >= kStages;
-          const uint32_t parity = static_cast<uint32_t>(i / kStages - 1) & 1u;
-          if (reuse) mbarrier_wait(&k_empty[stage], parity);
-          const int64_t row = seq.row_k + (n_begin + i) * kBlockN;
-          mbarrier_arrive_expect(&k_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
-          // The first product needs Q and K(0) alone: the other stages' copies wait for them rather
-          // than share the SM's bandwidth with them.
-          if (i == 0) mbarrier_wait(&k_full[0], 0);
-          if (reuse) mbarrier_wait(&v_empty[stage], parity);
-          mbarrier_arrive_expect(&v_full[stage], kKVBytes);
-          load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
+      if (tid != 0) return;
+      Slot<kStages> slot;
+      if constexpr (kPersistent) {
+        // A wait on the parity before a barrier's first phase returns at once (the slots' and the
+        // stages' first use).
+        int n = 0;  // items handed over
+        const auto hand_over = [&](const QueryTile& t) {
+          const int j = n % 2;
+          mbarrier_wait(&item_empty[j], ((n / 2) & 1) ^ 1);
+          items[j] = t;
+          mbarrier_arrive(&item_full[j]);
+          ++n;
+        };
+        for (int item = blockIdx.x;; item = work.next()) {
+          QueryTile t{};
+          while (item < work.items && (t = tile_of(item)).rows == 0) item = work.next();
+          if (item >= work.items) break;
+          hand_over(t);
+          load_kv(p, maps, t, n == 1, sk, sv, k_full, v_full, k_empty, v_empty, slot);
         }
+        hand_over(QueryTile{});  // no more items
+      } else if (own.tiles > 0) {
+        mbarrier_arrive_expect(&q_full[0], kQBytes);
+        load_q(p, maps, own, 0, kConsumers, sq, q_full[0]);
+        load_kv(p, maps, own, true, sk, sv, k_full, v_full, k_empty, v_empty, slot);
+      }
+      return;
+    }
+    setmaxnreg_inc<kConsumerRegs>();
+    const int consumer = group - 1;
+    // Ping-pong: the consumers issue their products in turn, each handing the turn to the next (a
+    // named barrier per consumer), from item to item, so that one's softmax runs while the tensor
+    // cores work through the others' products. The last consumer lets consumer 0 go first, and
+    // consumer 0 takes the turn it is handed after the last products.
+    if (consumer == kConsumers - 1) named_barrier_arrive(kTurn, 256);
+    Slot<kStages> slot;
+    if constexpr (kPersistent) {
+      // Each consumer loads its own rows of an item's Q, once its output of the last one is out
+      // of them.
+      uint32_t q_loads = 0;
+      for (int n = 0;; ++n) {
+        const int j = n % 2;
+        mbarrier_wait(&item_full[j], (n / 2) & 1);
+        const QueryTile t = items[j];
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(&item_empty[j]);
+        if (t.rows == 0) break;
+        if (t.tiles > 0) {
+          if (threadIdx.x % 128 == 0) {
+            mbarrier_arrive_expect(&q_full[consumer], kQBytes / kConsumers);
+            load_q(p, maps, t, consumer, 1, sq, q_full[consumer]);
+          }
+          ++q_loads;
+        }
+        consume(p, maps, t, mask, sq, sk, sv, q_full[consumer], (q_loads - 1) & 1u, true, k_full, v_full, k_empty,
+                v_empty, slot, consumer, lane);
       }
     } else {
-      setmaxnreg_inc<kConsumerRegs>();
-      consume(p, maps, b, h, seq, q0, rows, mask, n_begin, tiles, sq, sk, sv, q_full, k_full, v_full, k_empty,
-              v_empty, group - 1, lane);
+      consume(p, maps, own, mask, sq, sk, sv, q_full[0], 0, false, k_full, v_full, k_empty, v_empty, slot, consumer,
+              lane);
+    }
+    if (consumer == 0) named_barrier_sync(kTurn, 256);
+  }
+
+  // Rows [64 c0, 64 (c0 + consumers)) of item t's Q tile, completing on q_full (the caller
+  // expects their bytes).
+  static __device__ __forceinline__ void load_q(const Params& p, const Maps& maps, const QueryTile& t, int c0,
+                                                int consumers, T* sq, uint64_t& q_full) {
+    const int tb = p.a.cu_seqlens_q ? 0 : static_cast<int>(t.b);  // the maps' batch coordinate
+    for (int c = c0; c < c0 + consumers; ++c)
+#pragma unroll
+      for (int cb = 0; cb < kHeadDim / 64; ++cb)
+        tma_load_4d(sq + cb * kBlockM * 64 + c * 64 * 64, &maps.q, &q_full, cb * 64, t.h,
+                    static_cast<int>(t.seq.row_q + t.q0 + c * 64), tb);
+  }
+
+  // K and V of item t's key tiles, each into the next stage of the ring once its last use has
+  // freed it. On the block's first item the others wait until K(0) is in, rather than share the
+  // SM's bandwidth with it.
+  static __device__ __forceinline__ void load_kv(const Params& p, const Maps& maps, const QueryTile& t, bool first,
+                                                 T* sk, T* sv,
+                                                 uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
+                                                 uint64_t (&k_empty)[kStages], uint64_t (&v_empty)[kStages],
+                                                 Slot<kStages>& slot) {
+    const int hk = t.h / p.group;
+    const int tb = p.a.cu_seqlens_q ? 0 : static_cast<int>(t.b);  // the maps' batch coordinate
+    const int64_t key_row0 = t.seq.row_k + t.n_begin * kBlockN;
+#pragma unroll 1
+    for (int i = 0; i < t.tiles; ++i, slot.next()) {
+      const int stage = slot.stage;
+      const int row = static_cast<int>(key_row0 + i * kBlockN);
+      mbarrier_wait(&k_empty[stage], slot.phase ^ 1u);
+      mbarrier_arrive_expect(&k_full[stage], kKVBytes);
+      load_tile<kBlockN, kHeadDim>(sk + stage * kBlockN * kHeadDim, &maps.k, &k_full[stage], row, hk, tb);
+      if (first && i == 0) mbarrier_wait(&k_full[stage], slot.phase);
+      mbarrier_wait(&v_empty[stage], slot.phase ^ 1u);
+      mbarrier_arrive_expect(&v_full[stage], kKVBytes);
+      load_tile<kBlockN, kHeadDim>(sv + stage * kBlockN * kHeadDim, &maps.v, &v_full[stage], row, hk, tb);
     }
   }
 
-  static __device__ __forceinline__ void consume(const Params& p, const Maps& maps, int64_t b, int h,
-                                                 const core::Sequence& seq,
-                                                 int64_t q0, int rows, const core::Mask& mask, int64_t n_begin,
-                                                 int tiles, T* sq, T* sk, T* sv, uint64_t& q_full,
-                                                 uint64_t (&k_full)[kStages], uint64_t (&v_full)[kStages],
-                                                 uint64_t (&k_empty)[kStages], uint64_t (&v_empty)[kStages],
-                                                 int consumer, int lane) {
+  // Query tile t for this consumer's 64 rows: S = Q K^T and O += P V over its key tiles, which
+  // arrive in the stages from `slot` on (left after them), then the output. Q is in once q_full
+  // completes its phase of parity q_phase. own_q: the consumer loads its own rows of Q
+  // (persistent), so it waits for its products' last reads of them before it returns.
+  static __device__ __forceinline__ void consume(const Params& p, const Maps& maps, const QueryTile& t,
+                                                 const core::Mask& mask, T* sq, T* sk, T* sv, uint64_t& q_full,
+                                                 uint32_t q_phase, bool own_q, uint64_t (&k_full)[kStages],
+                                                 uint64_t (&v_full)[kStages], uint64_t (&k_empty)[kStages],
+                                                 uint64_t (&v_empty)[kStages], Slot<kStages>& slot, int consumer,
+                                                 int lane) {
+    const int64_t b = t.b, q0 = t.q0, n_begin = t.n_begin;
+    const int h = t.h, rows = t.rows, tiles = t.tiles;
+    const core::Sequence& seq = t.seq;
     const int warp_row0 = consumer * 64 + (threadIdx.x % 128) / 32 * 16;
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
@@ -214,14 +341,6 @@ struct Forward {
     const uint64_t q_desc = k_major_desc(smem_u32(sq) + consumer * 64 * 128);
     const uint64_t k_desc = k_major_desc(smem_u32(sk)), v_desc = mn_major_desc(smem_u32(sv), kBlockN * 128);
     const auto at_stage = [](uint64_t desc, int stage) { return advance(desc, stage * kKVBytes); };
-    // Tile i's stage and the parity of its use of it, walked along with i (i - 1's as well).
-    struct Slot {
-      int stage = 0;
-      uint32_t phase = 0;
-      __device__ __forceinline__ void next() {
-        if (++stage == kStages) stage = 0, phase ^= 1u;
-      }
-    };
 
     // S = Q K^T of the tile in `stage` for this consumer's 64 rows, issued and committed as one group.
     const auto issue_qk = [&](int stage) {
@@ -273,16 +392,9 @@ struct Forward {
 #pragma unroll
       for (int ps = 0; ps < kBlockN / 16; ++ps) accumulators_to_a<T>(pa[ps], s[0][2 * ps], s[0][2 * ps + 1]);
     };
-    // Ping-pong: the consumers issue their products in turn, each handing the turn to the next (a
-    // named barrier per consumer), so that one's softmax runs while the tensor cores work through
-    // the others' products. Consumer 0 goes first; the last one hands the turn back to it after
-    // each issue but its last.
-    const bool last_consumer = consumer == kConsumers - 1;
+    // The ping-pong's turns (see run).
     const auto my_turn = [&] { named_barrier_sync(kTurn + consumer, 256); };
-    const auto pass_turn = [&](bool last) {
-      if (!(last_consumer && last)) named_barrier_arrive(kTurn + (last_consumer ? 0 : consumer + 1), 256);
-    };
-    if (last_consumer && tiles > 0) named_barrier_arrive(kTurn, 256);
+    const auto pass_turn = [&] { named_barrier_arrive(kTurn + (consumer + 1) % kConsumers, 256); };
     // Under a causal mask the first consumers' rows end before the block's last key tiles: a
     // consumer computes its first `mine` tiles only, then frees the rest as they arrive and takes
     // its turns in the ring without issuing (every consumer takes tiles + 1 turns).
@@ -302,7 +414,7 @@ struct Forward {
       named_barrier_sync(kZeroed, kConsumerThreads);
     };
 
-    Slot cur, prev;  // tile i's, and tile i - 1's
+    Slot<kStages> cur = slot, prev = slot;  // tile i's, and tile i - 1's
     // The correction of O that P(i - 1) V waits for (the row max moved with tile i - 1). It is
     // applied between the issue of S(i) and that of P(i - 1) V, where the tensor cores are busy,
     // rather than after P(i - 1)'s softmax, where it would hold up the next issue.
@@ -316,12 +428,12 @@ struct Forward {
       wgmma_fence();
     };
     if (mine > 0) {
-      mbarrier_wait(&q_full, 0);
-      mbarrier_wait(&k_full[0], 0);
+      mbarrier_wait(&q_full, q_phase);
+      mbarrier_wait(&k_full[cur.stage], cur.phase);
       my_turn();
       wgmma_fence();
-      issue_qk(0);
-      pass_turn(false);
+      issue_qk(cur.stage);
+      pass_turn();
       wgmma_wait<0>();
       keep(s_flat);
       if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(0) is free
@@ -339,7 +451,7 @@ struct Forward {
       issue_qk(cur.stage);
       rescale_pending();
       issue_pv(prev.stage);
-      pass_turn(false);
+      pass_turn();
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
       keep(s_flat);
       if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(i) is free
@@ -359,15 +471,15 @@ struct Forward {
       my_turn();
       rescale_pending();
       issue_pv(prev.stage);
-      pass_turn(mine == tiles);
+      pass_turn();
       wgmma_wait<0>();
       keep(o_flat);
-      if (mine < tiles && lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(mine - 1) is free
+      if (lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(mine - 1) is free
     }
     if (mine < tiles) {  // tiles [mine, tiles): turns without products
       if (mine == 0) {
         my_turn();
-        pass_turn(false);
+        pass_turn();
       }
       for (int i = mine; i < tiles; ++i, cur.next()) {
         mbarrier_wait(&k_full[cur.stage], cur.phase);
@@ -376,16 +488,18 @@ struct Forward {
         if (i == tiles - 1) clean_last_v(cur.stage);
         if (lane == 0) mbarrier_arrive(&v_empty[cur.stage]);
         my_turn();
-        pass_turn(i == tiles - 1);
+        pass_turn();
       }
     }
+    slot = cur;
     if (maps.store_out && rows == kBlockM) {
       // The consumer's rows of Q are free once its products are in; with no products of its own
       // (mine == 0), once Q has arrived, so that the copy does not land on the output.
-      if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, 0);
+      if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, q_phase);
       store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, sq, consumer, lane, warp_row0);
     } else {
       write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
+      if (own_q) named_barrier_sync(kOutStaged + consumer, 128);  // every warp is past its products
     }
   }
 
@@ -439,9 +553,10 @@ struct Forward {
 
 template <typename T, int kHeadDim, bool kPlain>
 __global__ void __launch_bounds__(Forward<T, kHeadDim, kPlain>::kThreads, 1)
-    forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps, const core::TileOrder order) {
+    forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps, const core::TileOrder order,
+                   const Schedule work) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Forward<T, kHeadDim, kPlain>::run(p, maps, order);
+  Forward<T, kHeadDim, kPlain>::run(p, maps, order, work);
 #endif
 }
 

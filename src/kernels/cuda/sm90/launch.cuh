@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -123,7 +124,7 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   const core::AttentionArgs& a = p.a;
   allow_smem(forward_kernel<T, kHeadDim, kPlain>, F::kSmemBytes, "Hopper forward", kHeadDim);
   const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
-  Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, F::kBlockM),
+  Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, 64),  // a consumer's rows
             operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
             operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
             {},
@@ -133,10 +134,21 @@ void launch_forward(const Params& p, cudaStream_t stream) {
   if (maps.store_out) maps.out = operand_map<T>(a.out, a.head_dim, a.heads_q, a.rows_q, batch, 64);
   dim3 grid;
   const core::TileOrder order = query_tile_order<T, kHeadDim>(p, F::kBlockM, "forward", &grid);
-  if (grid.x > 0) {
-    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order);
-    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  const int64_t items = int64_t{grid.x} * grid.y;
+  if (items == 0) return;
+  if constexpr (F::kPersistent) {
+    // A block per SM (one fits), each taking items until none is left; the count of those taken
+    // runs past the items by each block's last try.
+    const int64_t blocks = std::min<int64_t>(items, sm_count());
+    RINGFLASH_CHECK(items + blocks <= INT32_MAX, NotSupported, "[cuda] the Hopper forward takes at most ", INT32_MAX,
+                    " query tiles in all; got ", items);
+    RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.items_taken, 0, sizeof(int), stream));
+    forward_kernel<T, kHeadDim, kPlain><<<static_cast<unsigned>(blocks), F::kThreads, F::kSmemBytes, stream>>>(
+        p, maps, order, Schedule{p.items_taken, static_cast<int>(items)});
+  } else {
+    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order, Schedule{});
   }
+  RINGFLASH_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename T, int kHeadDim>
