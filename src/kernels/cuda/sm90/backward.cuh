@@ -362,8 +362,9 @@ struct Backward {
       T* sdk = (consumer == 0 ? sq : sdo) + items.count % kStages * kBlockM * kHeadDim;
       T* sdv = sv + consumer * 64 * 64;
       constexpr int kDkBlock = kBlockM * 64, kDvBlock = kBlockN * 64;  // column blocks apart, elements
-      stage_rows<kDT>(smem_u32(sdk), kDkBlock * 2, dk, p.softmax_scale, warp, lane);
-      stage_rows<kDT>(smem_u32(sdv), kDvBlock * 2, dv, 1.0f, warp, lane);
+      const float dk_scale[2] = {p.softmax_scale, p.softmax_scale}, dv_scale[2] = {1.0f, 1.0f};
+      stage_rows<T, kDT>(smem_u32(sdk), kDkBlock * 2, warp * 16, dk, dk_scale, lane);
+      stage_rows<T, kDT>(smem_u32(sdv), kDvBlock * 2, warp * 16, dv, dv_scale, lane);
       fence_proxy_async();
       named_barrier_sync(kOutStaged + consumer, 128);
       if (elected) {
@@ -380,25 +381,6 @@ struct Backward {
     }
     if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
     write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
-  }
-
-  // Writes scale * x, this warp's 16 of the consumer's 64 rows (kN n-tiles of 8 columns, as
-  // write_dkdv takes them), at shared-memory address `dst` in the input dtype: column blocks of
-  // 128-byte rows, `block_bytes` apart, with the 128-byte swizzle (16-byte chunk c of row r at
-  // c ^ (r % 8)), as a TMA store reads them. A warp's store writes 8 rows x 4 words, one word per
-  // bank.
-  template <int kN>
-  static __device__ __forceinline__ void stage_rows(uint32_t dst, int block_bytes, const float (&x)[kN * 4],
-                                                    float scale, int warp, int lane) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp * 16 + lane / 4 + half * 8;
-      const uint32_t row = dst + r * 128 + (lane % 4) * 4;
-#pragma unroll
-      for (int j = 0; j < kN; ++j)
-        st_shared_b32(row + (j / 8) * block_bytes + (((j % 8) ^ (r % 8)) * 16),
-                      Mma<T>::pack(x[4 * j + 2 * half] * scale, x[4 * j + 2 * half + 1] * scale));
-    }
   }
 
   // The consumers at head dim 256 (a block of 64 keys; query tiles of 64). Per item, consumer c:

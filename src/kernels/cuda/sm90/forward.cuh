@@ -127,10 +127,30 @@ struct Slot {
   }
 };
 
+// Writes a warp's 16 rows of a wgmma accumulator of kN n-tiles (element 4 j + i is row row0 +
+// lane / 4 + 8 (i / 2), column 8 j + 2 (lane % 4) + i % 2), row half h scaled by scale[h], in T at
+// shared-memory address `tile`: column blocks of 64 columns in 128-byte rows, `block_bytes` apart,
+// with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), as a TMA store reads them.
+// A warp's store writes 8 rows x 4 words, one word per bank.
+template <typename T, int kN>
+__device__ __forceinline__ void stage_rows(uint32_t tile, int block_bytes, int row0, const float (&x)[kN * 4],
+                                           const float (&scale)[2], int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = row0 + lane / 4 + half * 8;
+    const uint32_t row = tile + r * 128 + (lane % 4) * 4;
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      st_shared_b32(row + (j / 8) * block_bytes + (((j % 8) ^ (r % 8)) * 16),
+                    Mma<T>::pack(x[4 * j + 2 * half] * scale[half], x[4 * j + 2 * half + 1] * scale[half]));
+  }
+}
+
 // Barrier ids of the sm_90a kernels (0 is __syncthreads).
 // kDqStored + c: the backward's consumer c has stored its part of dQ; kTurn + c: the forward's
 // consumer c's turn to issue.
-// kOutStaged + c: the forward's consumer c has put its rows of the output in shared memory.
+// kOutStaged + c: consumer c (forward or backward) has put its rows of the output in shared
+// memory, or (forward, persistent) every warp of it is past its products.
 enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5, kOutStaged = 8 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
@@ -160,6 +180,7 @@ struct Forward {
   // Head dim 64 runs persistent: a block per SM takes items from a Schedule, so that an item's
   // start (its tile, Q and K(0) in) overlaps the last item's end. Head dims 128 and 256 run a
   // block per item: persistent, head dim 128 ran 0.93-0.98x at 8k-16k (bench/NOTES.md, h29).
+  // hopper_kernels() in device.cu gives the persistent instance its item counter.
   static constexpr bool kPersistent = kHeadDim == 64;
 
   static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order, const Schedule& work) {
@@ -511,26 +532,15 @@ struct Forward {
                                                       const float (&row_sum)[1][2], T* sq, int consumer, int lane,
                                                       int warp_row0) {
     const core::AttentionArgs& a = p.a;
-    // Element (dt, i) of o is row warp_row0 + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2:
-    // in the tile's column block dt / 8, 16-byte chunk dt % 8, which the 128-byte swizzle places at
-    // chunk (dt % 8) ^ (row % 8). A warp's store writes 8 rows x 4 words, one word per bank. The
-    // rows' lse is computed and written while the copy runs.
+    // The rows' lse is computed and written while the copy runs.
     float sum[2], inv[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       sum[half] = quad_sum(row_sum[0][half]);
       inv[half] = sum[half] > 0.0f ? 1.0f / sum[half] : 0.0f;
     }
-    const uint32_t tile = smem_u32(sq);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = warp_row0 + lane / 4 + half * 8;
-      const uint32_t row = tile + r * 128 + (lane % 4) * 4;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-        st_shared_b32(row + (dt / 8) * kBlockM * 128 + (((dt % 8) ^ (r % 8)) * 16),
-                      Mma<T>::pack(o[0][dt][2 * half] * inv[half], o[0][dt][2 * half + 1] * inv[half]));
-    }
+    stage_rows<T, kDT>(smem_u32(sq), kBlockM * 128, warp_row0,
+                       *reinterpret_cast<const float(*)[kDT * 4]>(&o[0][0][0]), inv, lane);
     fence_proxy_async();
     named_barrier_sync(kOutStaged + consumer, 128);
     const bool issuer = threadIdx.x % 128 == 0;
