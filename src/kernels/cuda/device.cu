@@ -34,7 +34,7 @@ struct Kernels {
   ForwardFn forward = nullptr;
   BackwardFn backward = nullptr;
   bool backward_writes_dq = false;  // dQ by query tiles: no fp32 accumulator
-  bool forward_counts_items = false;  // the sm_90a forward: Params::items_taken (its persistent instances)
+  bool forward_counts_items = false;  // persistent (the sm_90a forward at head dim 64): Params::items_taken
 };
 
 // Kernels are built for head dims 64, 128 and 256; a smaller head dim (a multiple of 8) runs on
@@ -107,7 +107,7 @@ Kernels hopper_kernels(int64_t head_dim) {
   switch (instance_head_dim(head_dim)) {
 #ifndef RINGFLASH_DISABLE_HDIM64
     case 64:
-      return {sm90::run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 64>)};
+      return {sm90::run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 64>), false, true};
 #endif
 #ifndef RINGFLASH_DISABLE_HDIM128
     case 128:
@@ -176,7 +176,7 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
                                                  : hopper_kernels<__nv_bfloat16>(a.head_dim);
     if (h.forward && hopper_gap(a, false).empty()) {
       chosen->forward = h.forward;
-      chosen->forward_counts_items = true;
+      chosen->forward_counts_items = h.forward_counts_items;
     }
     if (h.backward && backward && hopper_gap(a, true).empty()) {
       chosen->backward = h.backward;
