@@ -9,7 +9,8 @@
 #   make test        C++ tests (ctest), then Python tests (pytest)
 #   make test-asan   C++ tests built with AddressSanitizer and UBSan in build-asan/
 #   make cuda-check  compiles the library with CUDA and NCCL (headers from pip's nvidia-nccl-cu13) in
-#                    build-cuda/ when nvcc is present
+#                    build-cuda/ when nvcc is present; fails where ptxas serialized wgmma (its C75xx
+#                    notes), which costs the sm_90a kernels most of their speed without an error
 #   make bench       CPU benchmark against torch SDPA (full sweep)
 #   make example     installs the library and builds and runs examples/cpp through find_package
 #   make clean       removes the build directories
@@ -131,7 +132,9 @@ cuda-check: setup-system
 	  -DCMAKE_CUDA_COMPILER=$$nvcc -DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHITECTURES)" \
 	  -DRINGFLASH_BUILD_TESTS=OFF -DRINGFLASH_BUILD_BENCH=OFF -DRINGFLASH_BUILD_PYTHON=OFF; \
 	echo '*' > $(CUDA_DIR)/.gitignore; \
-	cmake --build $(CUDA_DIR) --target ringflash
+	cmake --build $(CUDA_DIR) --target ringflash 2>&1 | tee $(CUDA_DIR)/build.log; \
+	if grep -E "\(C75[0-9][0-9]\)" $(CUDA_DIR)/build.log; then \
+	  echo "cuda-check: ptxas serialized wgmma or injected waits into a wgmma pipeline (above)"; exit 1; fi
 
 bench: setup build
 	$(PYTHON) bench/cpu_bench.py $(BENCH_ARGS)

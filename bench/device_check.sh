@@ -123,7 +123,14 @@ if wants build; then
   ptxas_detail="$kernels kernels compiled, max $max_regs registers, $spilling spilling"
   [[ $kernels -eq 0 ]] && ptxas_detail="no kernel compiled in this run (build up to date?)"
 
-  if [[ $rc -eq 0 ]]; then
+  # ptxas's "(C75xx)" notes: wgmma serialized, or a wait injected into a wgmma pipeline, because
+  # registers of an accumulator in flight are touched. The kernel still runs, at a fraction of its
+  # speed, so the build fails on them.
+  wgmma_notes=$(grep -E "\(C75[0-9][0-9]\)" "$OUT/build.log" | sort -u)
+  if [[ $rc -eq 0 && -n $wgmma_notes ]]; then
+    echo "$wgmma_notes"
+    record build FAILED "${build_s} s; ptxas serialized wgmma or injected waits ($(wc -l <<<"$wgmma_notes") notes above)"
+  elif [[ $rc -eq 0 ]]; then
     # From $OUT, so that the installed package is imported, not a source tree.
     info=$(cd "$OUT" && $PYTHON -c "
 import ringflash
