@@ -128,6 +128,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNT][4], float (&
   if (softmax_tile(s, row_max, row_sum, scale, correction)) rescale(o, correction);
 }
 
+// A row's lse (natural log) from its running max (log2 units) and its summed probabilities, and
+// the factor that normalises its output: a row that sees no key (sum 0) has lse -inf and out 0.
+__device__ __forceinline__ float row_lse(float row_max, float sum) {
+  return sum > 0.0f ? (row_max + log2f(sum)) * kLn2 : -INFINITY;
+}
+__device__ __forceinline__ float row_inverse(float sum) { return sum > 0.0f ? 1.0f / sum : 0.0f; }
+
 // Normalises a warp's output rows and writes them with their lse, or merges them into the fp32
 // accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
 // warp_row0 + 16 mt + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2.
@@ -150,8 +157,8 @@ __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float sum = quad_sum(row_sum[mt][half]);
-      lse[half] = sum > 0.0f ? (row_max[mt][half] + log2f(sum)) * kLn2 : -INFINITY;
-      inv[half] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      lse[half] = row_lse(row_max[mt][half], sum);
+      inv[half] = row_inverse(sum);
       const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
       live[half] = r < rows;
       row[half] = seq.row_q + q0 + r;

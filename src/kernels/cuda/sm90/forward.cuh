@@ -537,7 +537,7 @@ struct Forward {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       sum[half] = quad_sum(row_sum[0][half]);
-      inv[half] = sum[half] > 0.0f ? 1.0f / sum[half] : 0.0f;
+      inv[half] = row_inverse(sum[half]);
     }
     stage_rows<T, kDT>(smem_u32(sq), kBlockM * 128, warp_row0,
                        *reinterpret_cast<const float(*)[kDT * 4]>(&o[0][0][0]), inv, lane);
@@ -556,7 +556,7 @@ struct Forward {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         a.lse[p.lse_index(b, h, seq.row_q + q0 + warp_row0 + lane / 4 + half * 8)] =
-            sum[half] > 0.0f ? (row_max[0][half] + log2f(sum[half])) * kLn2 : -INFINITY;
+            row_lse(row_max[0][half], sum[half]);
     if (issuer) bulk_wait_read();  // the block's shared memory outlives the copy's reads of it
   }
 };
