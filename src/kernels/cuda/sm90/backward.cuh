@@ -12,10 +12,12 @@
 //       dV += P^T dO                       (P^T from registers, dO read MN-major)
 //       a 64 x 64 block of dQ = dS K       (over all 128 keys: dS^T of both consumers through
 //                                          shared memory, read transposed; see kDq)
-//       dK += dS^T Q                       (dS^T from registers, Q read MN-major)
+//       dK += dS^T Q                       (dS^T from registers, at head dim 128 from shared
+//                                          memory; Q read MN-major)
 //     and adds its part of dQ to the fp32 accumulator by TMA reduce-adds from shared memory, one
 //     bulk copy per 32 columns instead of an atomic per element pair. dS^T is converted and
-//     stored under dV's products, dQ under dK's.
+//     stored under dV's products, dQ under dK's; at head dim 128 the next item's S^T is issued
+//     under dK's products too (kPipelined).
 //   - dK and dV stay in registers over every item and are written once at the end: a whole key
 //     tile's by TMA from shared memory (dV through the consumer's own rows of V, dK through a tile
 //     of the stage the last item left), a partial one or fp32 accumulators from registers.
