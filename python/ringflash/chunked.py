@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import _C
 from .interface import _window
-from .ops import _check_traced, _detach, _empty_grads, _empty_outputs, _register_autograd, _stream
+from .ops import _check_traced, _custom_op, _detach, _empty_grads, _empty_outputs, _register_autograd, _stream
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -193,8 +193,7 @@ def _kernel_options(q: Tensor, alibi_slopes: Optional[Tensor], softmax_scale: Op
                 softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic, stream=_stream(q))
 
 
-@torch.library.custom_op("ringflash::chunked_attention_forward", mutates_args=())
-def chunked_attention_forward(
+def _chunked_attention_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -246,6 +245,9 @@ def chunked_attention_forward(
     return out, lse
 
 
+chunked_attention_forward = _custom_op(_chunked_attention_forward)
+
+
 @chunked_attention_forward.register_fake
 def _chunked_attention_forward_fake(q, k, v, alibi_slopes, softmax_scale, causal, window_left, window_right,
                                     softcap, deterministic, q_offset, k_offset, num_chunks_q, num_chunks_kv,
@@ -256,8 +258,7 @@ def _chunked_attention_forward_fake(q, k, v, alibi_slopes, softmax_scale, causal
     return _empty_outputs(q, packed=False)
 
 
-@torch.library.custom_op("ringflash::chunked_attention_backward", mutates_args=())
-def chunked_attention_backward(
+def _chunked_attention_backward(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -316,6 +317,9 @@ def chunked_attention_backward(
     return dq, dk, dv
 
 
+chunked_attention_backward = _custom_op(_chunked_attention_backward)
+
+
 @chunked_attention_backward.register_fake
 def _chunked_attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, softmax_scale, causal, window_left,
                                      window_right, softcap, deterministic, q_offset, k_offset, num_chunks_q,
@@ -327,7 +331,7 @@ def _chunked_attention_backward_fake(dout, q, k, v, out, lse, alibi_slopes, soft
     return _empty_grads(q, k, v)
 
 
-_register_autograd(chunked_attention_forward, chunked_attention_backward, num_tensors=1)  # alibi_slopes
+_chunked = _register_autograd(chunked_attention_forward, chunked_attention_backward, num_tensors=1)  # alibi_slopes
 
 
 def _attention(op: str, q, k, v, num_chunks_q, num_chunks_kv, causal, softmax_scale, window_size, softcap,
@@ -339,9 +343,9 @@ def _attention(op: str, q, k, v, num_chunks_q, num_chunks_kv, causal, softmax_sc
     for name, value, allow_none in (("q_offset", q_offset, True), ("k_offset", k_offset, False)):
         if not (value is None and allow_none) and (isinstance(value, bool) or not isinstance(value, int)):
             raise _C.InvalidArgument(f"[{op}] {name} must be an int{' or None' if allow_none else ''}, got {value!r}")
-    return chunked_attention_forward(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right,
-                                     float(softcap), bool(deterministic), q_offset, k_offset, n_q, n_kv,
-                                     max_chunk_bytes)
+    return _chunked(q, k, v, alibi_slopes, softmax_scale, bool(causal), left, right,
+                    float(softcap), bool(deterministic), q_offset, k_offset, n_q, n_kv,
+                    max_chunk_bytes)
 
 
 def chunked_attention(

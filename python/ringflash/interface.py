@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from .ops import attention_forward
+from .ops import attention
 
 __all__ = [
     "Support",
@@ -65,8 +65,8 @@ def _results(out: Tensor, lse: Tensor, return_attn_probs: bool, return_softmax_l
 def _attention(op, q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softmax_scale, causal, window_size,
                softcap, alibi_slopes, deterministic):
     left, right = _window(op, window_size)
-    return attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, left,
-                             right, float(softcap), float(dropout_p), bool(deterministic))
+    return attention(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal, left,
+                     right, float(softcap), float(dropout_p), bool(deterministic))
 
 
 def flash_attn_func(

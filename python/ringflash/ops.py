@@ -70,8 +70,19 @@ def _empty_grads(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tenso
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-@torch.library.custom_op("ringflash::attention_forward", mutates_args=())
-def attention_forward(
+# Each custom op's implementation, which eager calls run without the op's dispatch (_register_autograd).
+_implementations = {}
+
+
+def _custom_op(fn):
+    """fn as the torch custom op ringflash::<fn's name without the leading underscore>, which
+    mutates none of its arguments."""
+    op = torch.library.custom_op(f"ringflash::{fn.__name__.lstrip('_')}", mutates_args=())(fn)
+    _implementations[op] = fn
+    return op
+
+
+def _attention_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -99,6 +110,9 @@ def attention_forward(
     return out, lse
 
 
+attention_forward = _custom_op(_attention_forward)
+
+
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal,
                             window_left, window_right, softcap, dropout_p, deterministic):
@@ -107,8 +121,7 @@ def _attention_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, s
     return _empty_outputs(q, packed)
 
 
-@torch.library.custom_op("ringflash::attention_backward", mutates_args=())
-def attention_backward(
+def _attention_backward(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -139,6 +152,9 @@ def attention_backward(
     return dq, dk, dv
 
 
+attention_backward = _custom_op(_attention_backward)
+
+
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
                              causal, window_left, window_right, softcap, dropout_p, deterministic):
@@ -148,28 +164,65 @@ def _attention_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
     return _empty_grads(q, k, v)
 
 
-def _register_autograd(forward_op, backward_op, num_tensors: int) -> None:
+def _grad_wanted(tensors: Sequence[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _eager(tensors: Sequence[Tensor]) -> bool:
+    """Whether a call may skip torch's custom-op dispatch: not while torch.compile traces, and only
+    for plain tensors on the CPU or a GPU (fake, meta and subclass tensors take the op)."""
+    return not torch.compiler.is_compiling() and all(
+        type(t) is torch.Tensor and t.device.type in ("cpu", "cuda") for t in tensors)
+
+
+def _register_autograd(forward_op, backward_op, num_tensors: int):
     """Autograd for a forward op with inputs (q, k, v, `num_tensors` optional tensors such as
     cu_seqlens and alibi_slopes, then plain options) and outputs (out, lse), whose backward op takes
     (dout, q, k, v, out, lse, the same tensors, the same options) and returns (dq, dk, dv). Only q,
-    k and v get gradients; lse is not differentiable."""
+    k and v get gradients; lse is not differentiable.
 
-    def setup_context(ctx, inputs, output):
+    Returns the forward as eager code should call it: the op while torch.compile traces (or for
+    tensors that are not plain CPU or GPU tensors); otherwise the op's implementation itself, under
+    a torch.autograd.Function when a gradient is wanted, whose backward calls the backward op's. Both
+    ways run the same implementations; the direct one skips the dispatch of torch's custom ops,
+    which costs some 70 us of host time per call with autograd (bench/NOTES.md, h32), as much as a
+    4k forward kernel's last waves."""
+
+    forward_fn, backward_fn = _implementations[forward_op], _implementations[backward_op]
+
+    def saved(ctx, inputs, output):
         out, lse = output
         ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + num_tensors])
         ctx.options = inputs[3 + num_tensors:]
         ctx.mark_non_differentiable(lse)
 
-    def backward(ctx, dout, dlse):
+    def gradients(ctx, dout, backward):
         if dout.stride(-1) != 1:
             # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
             # (contiguous() would keep the strides of an empty tensor.)
             dout = dout.clone(memory_format=torch.contiguous_format)
-        dq, dk, dv = backward_op(dout, *ctx.saved_tensors, *ctx.options)
+        dq, dk, dv = backward(dout, *ctx.saved_tensors, *ctx.options)
         return (dq, dk, dv) + (None,) * (num_tensors + len(ctx.options))
 
-    forward_op.register_autograd(backward, setup_context=setup_context)
+    forward_op.register_autograd(lambda ctx, dout, dlse: gradients(ctx, dout, backward_op), setup_context=saved)
+
+    def forward(ctx, *inputs):
+        output = forward_fn(*inputs)
+        saved(ctx, inputs, output)
+        return output
+
+    # Named after the op (_attention_forward: Attention), so that grad_fn reads AttentionBackward.
+    name = "".join(w.capitalize() for w in forward_fn.__name__.strip("_").removesuffix("_forward").split("_"))
+    function = type(name, (torch.autograd.Function,), dict(
+        forward=staticmethod(forward), backward=staticmethod(lambda ctx, dout, dlse: gradients(ctx, dout, backward_fn))))
+
+    def call(*inputs):
+        if not _eager(inputs[:3]):
+            return forward_op(*inputs)
+        return function.apply(*inputs) if _grad_wanted(inputs[:3]) else forward_fn(*inputs)
+
+    return call
 
 
 # The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
-_register_autograd(attention_forward, attention_backward, num_tensors=3)
+attention = _register_autograd(attention_forward, attention_backward, num_tensors=3)

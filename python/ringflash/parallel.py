@@ -30,7 +30,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _window
-from .ops import _detach, _empty_outputs, _lse_shape, _register_autograd, _stream
+from .ops import _custom_op, _detach, _empty_outputs, _lse_shape, _register_autograd, _stream
 
 __all__ = [
     "ParallelGroup",
@@ -185,8 +185,7 @@ def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, windo
                 stream=_stream(q))
 
 
-@torch.library.custom_op("ringflash::parallel_forward", mutates_args=())
-def parallel_forward(
+def _parallel_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -215,14 +214,16 @@ def parallel_forward(
     return out, lse
 
 
+parallel_forward = _custom_op(_parallel_forward)
+
+
 @parallel_forward.register_fake
 def _parallel_forward_fake(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right,
                            softcap, strategy, group, kv_heads_per_gather):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
 
 
-@torch.library.custom_op("ringflash::parallel_backward", mutates_args=())
-def parallel_backward(
+def _parallel_backward(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -254,13 +255,16 @@ def parallel_backward(
     return dq, dk, dv
 
 
+parallel_backward = _custom_op(_parallel_backward)
+
+
 @parallel_backward.register_fake
 def _parallel_backward_fake(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left,
                             window_right, softcap, strategy, group, kv_heads_per_gather):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_register_autograd(parallel_forward, parallel_backward, num_tensors=2)  # cu_seqlens, alibi_slopes
+_parallel = _register_autograd(parallel_forward, parallel_backward, num_tensors=2)  # cu_seqlens, alibi_slopes
 
 
 def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag", group=None, *,
@@ -286,6 +290,6 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise _C.InvalidArgument(f"[{op}] {name} must be on {q.device} like q, got {t.device}")
-    out, lse = parallel_forward(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
-                                float(softcap), strategy, handle, int(kv_heads_per_gather))
+    out, lse = _parallel(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
+                         float(softcap), strategy, handle, int(kv_heads_per_gather))
     return (out, lse) if return_lse else out

@@ -69,7 +69,7 @@ from torch import Tensor
 from . import _C
 from .distributed import communicator
 from .interface import _check_int, _results, _unpack, _window
-from .ops import _detach, _lse_shape, _register_autograd, _stream
+from .ops import _custom_op, _detach, _lse_shape, _register_autograd, _stream
 from .parallel import ParallelGroup, _check_dropout, _handle, parallel_attention
 
 __all__ = [
@@ -577,8 +577,7 @@ def _slopes(alibi_slopes: Optional[Tensor], heads: slice) -> Optional[Tensor]:
 _LLAMA3_OP = "llama3_flash_attn_varlen_func"
 
 
-@torch.library.custom_op("ringflash::llama3_varlen_forward", mutates_args=())
-def llama3_varlen_forward(
+def _llama3_varlen_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -614,6 +613,9 @@ def llama3_varlen_forward(
     return out, lse
 
 
+llama3_varlen_forward = _custom_op(_llama3_varlen_forward)
+
+
 @llama3_varlen_forward.register_fake
 def _llama3_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, causal,
                                 window_left, window_right, softcap, deterministic, k_start, k_stop, heads_k_stride,
@@ -621,8 +623,7 @@ def _llama3_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slope
     return torch.empty_like(q), q.new_empty(_lse_shape(q, packed=True), dtype=torch.float32)
 
 
-@torch.library.custom_op("ringflash::llama3_varlen_backward", mutates_args=())
-def llama3_varlen_backward(
+def _llama3_varlen_backward(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -683,6 +684,9 @@ def llama3_varlen_backward(
     return dq.to(q.dtype), dk, dv
 
 
+llama3_varlen_backward = _custom_op(_llama3_varlen_backward)
+
+
 @llama3_varlen_backward.register_fake
 def _llama3_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale,
                                  causal, window_left, window_right, softcap, deterministic, k_start, k_stop,
@@ -691,7 +695,7 @@ def _llama3_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqle
 
 
 # The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
-_register_autograd(llama3_varlen_forward, llama3_varlen_backward, num_tensors=3)
+_llama3_varlen = _register_autograd(llama3_varlen_forward, llama3_varlen_backward, num_tensors=3)
 
 
 def _llama3(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
@@ -721,9 +725,9 @@ def _llama3(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         options = _kernel_options(softmax_scale, causal, left, right, softcap, deterministic)
         _llama3_validate(_LLAMA3_OP, _Llama3World(op, pg, q.device), q, k, v, cu_seqlens_q, cu_seqlens_k,
                          alibi_slopes, options, local_k_slice.start, local_k_slice.stop, heads_k_stride)
-    out, lse = llama3_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal),
-                                     left, right, float(softcap), bool(deterministic), local_k_slice.start,
-                                     local_k_slice.stop, int(heads_k_stride), pg.handle)
+    out, lse = _llama3_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, softmax_scale, bool(causal),
+                              left, right, float(softcap), bool(deterministic), local_k_slice.start,
+                              local_k_slice.stop, int(heads_k_stride), pg.handle)
     return _results(out, lse, return_attn_probs)
 
 
