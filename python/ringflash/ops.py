@@ -13,6 +13,9 @@ Gradients flow to q, k and v; ``alibi_slopes`` and ``cu_seqlens`` get none, and 
 not differentiable (as in flash-attn). All checking is the C++ library's, except what it cannot see:
 the fake implementations check ranks and devices so that tracing fails early with the same error
 types.
+
+Eager code calls ``attention`` (and the other modules the entry points _register_autograd returns),
+which runs the ops' implementations without torch's custom-op dispatch unless torch.compile traces.
 """
 
 from typing import Optional, Sequence, Tuple
@@ -213,8 +216,8 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
 
     # Named after the op (_attention_forward: Attention), so that grad_fn reads AttentionBackward.
     name = "".join(w.capitalize() for w in forward_fn.__name__.strip("_").removesuffix("_forward").split("_"))
-    function = type(name, (torch.autograd.Function,), dict(
-        forward=staticmethod(forward), backward=staticmethod(lambda ctx, dout, dlse: gradients(ctx, dout, backward_fn))))
+    backward = staticmethod(lambda ctx, dout, dlse: gradients(ctx, dout, backward_fn))
+    function = type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=backward))
 
     def call(*inputs):
         if not _eager(inputs[:3]):
@@ -224,5 +227,5 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
     return call
 
 
-# The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
+# flash_attn_func's entry point. The tensors after q, k, v: cu_seqlens_q, cu_seqlens_k, alibi_slopes.
 attention = _register_autograd(attention_forward, attention_backward, num_tensors=3)
