@@ -14,8 +14,9 @@ not differentiable (as in flash-attn). All checking is the C++ library's, except
 the fake implementations check ranks and devices so that tracing fails early with the same error
 types.
 
-Eager code calls ``attention`` (and the other modules the entry points _register_autograd returns),
-which runs the ops' implementations without torch's custom-op dispatch unless torch.compile traces.
+Eager code calls ``attention`` here, and the other modules the entry points that _register_autograd
+returns for their ops: these run the ops' implementations without torch's custom-op dispatch,
+unless torch.compile traces.
 """
 
 from typing import Optional, Sequence, Tuple

@@ -54,20 +54,21 @@ def test_eager_calls_skip_the_dispatch():
     and gradients are the op's, bit for bit."""
     q, k, v = make_qkv(Shape(2, 33, 20, 4, 2, 16), torch.float32, seed=3)
     options = (None, None, None, None, True, -1, -1, 0.0, 0.0, False)
-    results = []
+    grad_fns, results = [], []
     for f in (ringflash.ops.attention, torch.ops.ringflash.attention_forward):
         xs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out, lse = f(*xs, *options)
-        results.append(type(out.grad_fn).__name__)
+        grad_fns.append(type(out.grad_fn).__name__)
         weight = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
         (out * weight).sum().backward()
         results.append((out.detach(), [x.grad for x in xs]))
-    assert results[0] == "AttentionBackward" and results[2] != results[0]
-    assert_same(results[1], results[3])
+    eager, op = results
+    assert grad_fns[0] == "AttentionBackward" and grad_fns[1] != grad_fns[0]
+    assert_same(eager, op)
     with torch.no_grad():
         out, _ = ringflash.ops.attention(q, k, v, *options)
     assert out.grad_fn is None
-    torch.testing.assert_close(out, results[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(out, eager[0], rtol=0, atol=0)
 
 
 def test_flash_attn_varlen_func():
