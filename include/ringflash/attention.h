@@ -58,6 +58,10 @@ struct AttentionParams {
   // keys (lse = -inf where nothing was seen yet); this block is merged into them exactly.
   // Backward: dq, dk, dv are fp32 and the gradients are added to them.
   bool accumulate = false;
+  // Backward in accumulate mode: dk and dv are written rather than added to (their old contents are
+  // never read; dq is still added to). For the first of several calls into the same dK/dV, such as
+  // a ring's first step over a block of keys, whose accumulators then need no zero fill.
+  bool overwrite_dkdv = false;
 
   int num_threads = 0;     // CPU: threads to use; 0 means every core
   void* stream = nullptr;  // CUDA: the cudaStream_t to run on; ignored on CPU

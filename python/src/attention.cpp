@@ -62,8 +62,9 @@ NotSupported. Errors: InvalidArgument, NotSupported, DeviceError.)";
 constexpr const char* kBackwardDoc = R"(Attention backward: dq, dk, dv from q, k, v, out, dout and lse.
 
 `out` and `lse` are the forward's results; dout has out's shape and q's dtype. dq, dk, dv have the
-shapes and dtypes of q, k, v (float32 and added to, with accumulate=True). Options as in
-attention_forward; they must match the forward's.)";
+shapes and dtypes of q, k, v (float32 and added to, with accumulate=True; with overwrite_dkdv=True
+as well, dk and dv are written instead, and dq still added to). Options as in attention_forward;
+they must match the forward's.)";
 
 constexpr const char* kSupportDoc = R"(Whether attention_forward/backward can run this case.
 

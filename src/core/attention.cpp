@@ -259,6 +259,7 @@ class Validator {
     args_.k = operand(k_);
     args_.v = operand(v_);
     args_.accumulate = p_.accumulate;
+    args_.overwrite_dkdv = p_.overwrite_dkdv;
     args_.deterministic = p_.deterministic;
     args_.out_dtype = args_.grad_dtype = p_.accumulate ? DType::kFloat32 : q_.dtype();
     args_.num_threads = core::resolve_threads(p_.num_threads);
@@ -300,6 +301,9 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& dk, const TensorView& dv, const AttentionParams& params) {
   using Rule = Validator::DTypeRule;
   Validator check("attention_backward", q, k, v, params);
+  RINGFLASH_CHECK(!params.overwrite_dkdv || params.accumulate, InvalidArgument,
+                  "[attention_backward] overwrite_dkdv needs accumulate mode (it writes fp32 dk and dv), got "
+                  "accumulate=false");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kSameOrFp32);
   args.out_dtype = out.dtype();

@@ -27,10 +27,6 @@ void upload(const void* src, size_t bytes, void* dst, int device, void* stream);
 bool capturing(int device, void* stream);
 void* allocate(int device, size_t bytes, void* stream);
 void release(int device, void* data, void* stream) noexcept;
-// kernels::SideStream: the device's side stream, after the work on `stream`; `into` waits for the
-// work on `from`.
-void* fork(int device, void* stream);
-void join(int device, void* from, void* into);
 }  // namespace ringflash::cuda
 
 namespace ringflash::comm::mpi {

@@ -245,23 +245,6 @@ bool capturing(Device device, void* stream) {
   return device.type == DeviceType::kCUDA && cuda::capturing(device.index, stream);
 }
 
-SideStream::SideStream(Device device, void* stream)
-    : device_(device), stream_(stream),
-      side_(device.type == DeviceType::kCUDA ? cuda::fork(device.index, stream) : stream) {}
-
-SideStream::~SideStream() {
-  try {
-    join();
-  } catch (...) {  // a destructor does not throw; a failed join leaves the device's error for the next call
-  }
-}
-
-void SideStream::join() {
-  if (joined_) return;
-  joined_ = true;
-  if (device_.type == DeviceType::kCUDA) cuda::join(device_.index, side_, stream_);
-}
-
 Workspace::Workspace(Device device, size_t bytes, void* stream) : device_(device), bytes_(bytes), stream_(stream) {
   if (bytes == 0) return;
   if (device.type == DeviceType::kCUDA) {

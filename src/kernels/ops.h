@@ -59,27 +59,6 @@ class Workspace {
   void* stream_ = nullptr;
 };
 
-// A second stream beside `stream`, for work that need not wait for what `stream` does next: get()
-// starts after the work enqueued on `stream` before construction, and join() (or the destructor)
-// makes `stream` wait for the work enqueued on get() so far. On the CPU, get() is `stream` itself
-// (work runs at once, in order). A CUDA graph can capture both.
-class SideStream {
- public:
-  SideStream(Device device, void* stream);
-  ~SideStream();
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-
-  void* get() const { return side_; }
-  void join();
-
- private:
-  Device device_;
-  void* stream_;
-  void* side_;
-  bool joined_ = false;
-};
-
 // Places pieces in one workspace, each at a 256-byte boundary: offsets first, then one Workspace
 // of total() bytes.
 class WorkspaceLayout {

@@ -158,6 +158,24 @@ std::vector<Run> clipped(const std::vector<Run>& runs, const Block& rows) {
   return out;
 }
 
+// One kernel call of a step: this rank's query block against a key block of the step's K/V.
+struct Call {
+  Block q, k;
+  AttentionParams params;
+};
+
+// Whether the calls' key blocks are disjoint and together make up `rows` exactly: then each call
+// can write its rows of dK/dV instead of adding to them, and their accumulator needs no zero fill.
+bool cover_rows(std::vector<Call> calls, const Block& rows) {
+  std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.k.row < b.k.row; });
+  int64_t end = rows.row;
+  for (const Call& c : calls) {
+    if (c.k.row != end) return false;
+    end += c.k.count;
+  }
+  return end == rows.row + rows.count;
+}
+
 // Whether one kernel call over query runs qs[qa..qb] and key runs ks[ka..kb] (stride 1), with
 // positions laid out linearly from the first runs' starts, sees exactly what the calls per pair
 // would. In that call a pair's pk - pq is shifted by D, the difference between the linear layout
@@ -241,9 +259,9 @@ class Ring {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
-        attention_forward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(acc, q), lse_rows(lse, q), params);
-      });
+      for (const Call& c : calls(src))
+        attention_forward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(acc, c.q), lse_rows(lse, c.q),
+                          c.params);
       if (kv_in) kv_in->wait();
     }
     if (own_acc) kernels::copy(acc, out, stream_);
@@ -257,8 +275,9 @@ class Ring {
     // sum of the other ranks' contributions to a block starts on the rank after its home, travels
     // with the block's K/V, and its last hop lands at home, where it is added to `own`: P - 1 hops
     // for a full ring. Two partials travel in turn (one is being sent while the other is
-    // received); from step 2 on, the kernel adds into `block`, which is then added to the partial
-    // arriving from the previous rank.
+    // received); from step 2 on, the kernel writes into `block`, which is then added to the partial
+    // arriving from the previous rank. A buffer's first calls write it instead of adding to it
+    // (overwrite_dkdv) where their key blocks make up its rows exactly; otherwise it is zeroed first.
     const bool own_dq = dq.dtype() != DType::kFloat32;
     const size_t grad_bytes = static_cast<size_t>(2 * kv_elements_) * sizeof(float);
     kernels::WorkspaceLayout layout;
@@ -273,20 +292,18 @@ class Ring {
     unsigned char* own = workspace_.data() + own_at;
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
     unsigned char* block = workspace_.data() + block_at;
-    kernels::fill(flat(own, device_, 2 * rows_elements(rank_)), 0.0f, stream_);
 
     // This rank's own block in two halves of its key rows when the ring goes on: one now, the
     // other while the last hop travels.
     const int64_t split = steps_ > 1 ? geo_.rows[rank_] / 2 : geo_.rows[rank_];
-    const auto own_part = [&](const Block& keys) {
+    const Block halves[2] = {{0, split}, {split, geo_.rows[rank_] - split}};
+    const std::vector<Call> own_calls[2] = {calls(rank_, halves[0]), calls(rank_, halves[1])};
+    const bool own_written = cover_rows(own_calls[0], halves[0]) && cover_rows(own_calls[1], halves[1]);
+    if (!own_written) kernels::fill(flat(own, device_, 2 * rows_elements(rank_)), 0.0f, stream_);
+    const auto own_part = [&](int half) {
       const KeyValues grads = grad_views(own, rank_);
-      for_each_call(
-          rank_,
-          [&](const Block& q, const Block& k, const AttentionParams& params) {
-            attention_backward(rows(q_, q), rows(home_.k, k), rows(home_.v, k), rows(out, q), rows(dout, q),
-                               lse_rows(lse, q), rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
-          },
-          keys);
+      for (const Call& c : own_calls[half])
+        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written);
     };
 
     prepare_travel();
@@ -294,11 +311,7 @@ class Ring {
     for (int s = 0; s < steps_; ++s) {
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       if (s == 0) {
-        // Step 1's partial starts at zero: filled beside the first half of this rank's own block.
-        kernels::SideStream side(device_, stream_);
-        if (steps_ > 1) kernels::fill(flat(partial[1], device_, 2 * rows_elements(source(1))), 0.0f, side.get());
-        own_part({0, split});
-        side.join();
+        own_part(0);
         if (kv_in) kv_in->wait();
         continue;
       }
@@ -306,19 +319,17 @@ class Ring {
       const KeyValues kv = key_values(s);
       unsigned char* carried = partial[s % 2];
       unsigned char* target = s == 1 ? carried : block;
-      const KeyValues grads = grad_views(target, src);
-      bool computed = false;
-      for_each_call(src, [&](const Block& q, const Block& k, const AttentionParams& params) {
-        if (!computed && s > 1) kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
-        computed = true;
-        attention_backward(rows(q_, q), rows(kv.k, k), rows(kv.v, k), rows(out, q), rows(dout, q), lse_rows(lse, q),
-                           rows(dq_acc, q), rows(grads.k, k), rows(grads.v, k), params);
-      });
-      // A later step's block that no pair reached is simply not added.
+      const std::vector<Call> step_calls = calls(src);
+      const bool written = cover_rows(step_calls, {0, geo_.rows[src]});
+      // Step 1's partial travels on even if no pair reached it; a later step's block that no pair
+      // reached is simply not added.
+      if (!written && (s == 1 || !step_calls.empty()))
+        kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+      for (const Call& c : step_calls) backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written);
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
-        if (computed) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
+        if (!step_calls.empty()) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
       if (s + 1 < steps_) grads_in = pass_grads(carried, src, partial[(s + 1) % 2], source(s + 1), next(), prev());
       if (kv_in) kv_in->wait();
@@ -335,7 +346,7 @@ class Ring {
       unsigned char* arrived = partial[steps_ % 2];
       const std::unique_ptr<CommRequest> last =
           pass_grads(partial[(steps_ - 1) % 2], home, arrived, rank_, home, from);
-      own_part({split, geo_.rows[rank_] - split});
+      own_part(1);
       last->wait();
       const KeyValues others = grad_views(arrived, rank_);
       kernels::add(mine.k, others.k, dk, stream_);
@@ -349,19 +360,29 @@ class Ring {
 
  private:
   int source(int step) const { return (rank_ - step + world_) % world_; }
+
+  // One backward call of a step: gradients added into dq_acc and into (or, where `overwrite`,
+  // written to) `grads`, the fp32 dK/dV of the step's K/V.
+  void backward_call(const Call& c, const KeyValues& kv, const KeyValues& grads, const TensorView& dq_acc,
+                     const TensorView& out, const TensorView& dout, const TensorView& lse, bool overwrite) const {
+    AttentionParams params = c.params;
+    params.overwrite_dkdv = overwrite;
+    attention_backward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(out, c.q), rows(dout, c.q),
+                       lse_rows(lse, c.q), rows(dq_acc, c.q), rows(grads.k, c.k), rows(grads.v, c.k), params);
+  }
   int next() const { return (rank_ + 1) % world_; }
   int prev() const { return (rank_ - 1 + world_) % world_; }
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
   int64_t rows_elements(int rank) const { return geo_.batch * geo_.rows[rank] * p_.heads_kv * p_.head_dim; }
 
-  // Calls fn(query block, key block, kernel params) for the kernel calls of a step against `src`'s
-  // K/V: per group, one call over every pair of this rank's query pieces and `src`'s key pieces
-  // that the mask does not leave empty when one call sees what they see (zigzag's steps always),
-  // else one call per pair. Fewer, larger calls leave the GPU idle less at their ends.
-  // `keys` limits the calls to those rows of `src`'s (all by default).
-  template <typename Fn>
-  void for_each_call(int src, Fn&& fn, const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
+  // The kernel calls of a step against `src`'s K/V: per group, one call over every pair of this
+  // rank's query pieces and `src`'s key pieces that the mask does not leave empty when one call
+  // sees what they see (zigzag's steps always), else one call per pair. Fewer, larger calls leave
+  // the GPU idle less at their ends. `keys` limits the calls to those rows of `src`'s (all by
+  // default).
+  std::vector<Call> calls(int src, const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
+    std::vector<Call> out;
     for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
       const std::vector<Run>& qs = geo_.runs[rank_][group];
@@ -383,11 +404,13 @@ class Ring {
         AttentionParams params = base;
         params.q_offset = qs[qa].piece.start;
         params.k_offset = ks[ka].piece.start;
-        fn(block_of(qs, qa, qb), block_of(ks, ka, kb), params);
+        out.push_back({block_of(qs, qa, qb), block_of(ks, ka, kb), params});
         continue;
       }
-      for (const Pair& pair : pairs) fn(block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params);
+      for (const Pair& pair : pairs)
+        out.push_back({block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params});
     }
+    return out;
   }
 
   // The caller's options for the kernel calls of one group: accumulate mode, positions set per

@@ -46,6 +46,7 @@ struct Options {
   Layout layout = Layout::kContiguous;
   bool masks_rows = false;  // by construction some query sees no key; the test asserts it
   bool fp32_out = false;    // backward: out is fp32 whatever the input dtype (a ring's merged out)
+  bool overwrite_dkdv = false;  // backward with accumulate: dk and dv written, not added to
   bool backward_only = false;
 };
 
@@ -168,6 +169,12 @@ inline const std::vector<Options>& all_options() {
         o.window_left = 50;
         o.window_right = 20;
         o.layout = Layout::kStrided;
+      }),
+      make_options("accumulate_overwrite_dkdv_causal", [](Options& o) {
+        o.accumulate = true;
+        o.overwrite_dkdv = true;
+        o.causal = true;
+        o.backward_only = true;
       }),
       make_options("accumulate_masked_rows", [](Options& o) {
         o.accumulate = true;

@@ -201,12 +201,15 @@ void run_backward_case(const KernelCase& c) {
   }
   const InputSnapshot inputs({&in.q, &in.k, &in.v, &out, &pb.dout(), &lse});
 
-  // dq, dk, dv: NaN (every element must be written), or the prefill in accumulate mode.
+  // dq, dk, dv: NaN (every element must be written), or the prefill where accumulate mode adds
+  // (dq; dk and dv unless overwrite_dkdv).
+  const auto adds = [&](const HostTensor* t, const QKV& grads) {
+    return o.accumulate && (t == &grads.q || !o.overwrite_dkdv);
+  };
   auto run = [&](QKV& grads) {
     grads = pb.make_qkv(grad_dtype, kNaN);
-    if (o.accumulate)
-      for (const HostTensor* t : {&grads.q, &grads.k, &grads.v})
-        t->for_each_element([&](int64_t e) { t->set_element(e, prefill(e)); });
+    for (const HostTensor* t : {&grads.q, &grads.k, &grads.v})
+      if (adds(t, grads)) t->for_each_element([&](int64_t e) { t->set_element(e, prefill(e)); });
     const auto guards = guard_outside({&grads.q, &grads.k, &grads.v});
     const AttentionParams p = pb.params();
     const bool ok = call_library("attention_backward", [&] {
@@ -226,9 +229,10 @@ void run_backward_case(const KernelCase& c) {
     std::vector<int64_t> from, to;
     src->for_each_element([&](int64_t e) { from.push_back(e); });
     dst->for_each_element([&](int64_t e) { to.push_back(e); });
+    const bool added = adds(src, grads);
     for (size_t e = 0; e < from.size(); ++e) {
       const double x = src->at_element(from[e]);
-      dst->set_element(to[e], o.accumulate ? x - prefill(from[e]) : x);
+      dst->set_element(to[e], added ? x - prefill(from[e]) : x);
     }
   }
   auto read = [&](const HostTensor& t, bool keys, int64_t heads) {

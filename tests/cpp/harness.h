@@ -114,6 +114,7 @@ class Problem {
     p.deterministic = opt_.deterministic;
     p.num_threads = opt_.num_threads;
     p.accumulate = opt_.accumulate;
+    p.overwrite_dkdv = opt_.overwrite_dkdv;
     const int64_t n = shape_.num_seqs();
     if (opt_.alibi == Alibi::kPerHead)
       p.alibi_slopes = TensorView(slopes_.data(), DType::kFloat32, Device{}, {shape_.heads_q});

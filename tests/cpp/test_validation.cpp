@@ -217,6 +217,14 @@ TEST_F(Validation, AccumulateNeedsFp32Outputs) {
                          "dout must have dtype float16", "got float32");
 }
 
+TEST_F(Validation, OverwriteDkdvNeedsAccumulate) {
+  p.overwrite_dkdv = true;
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_backward(q.view(), k.view(), v.view(), out.view(), out.view(), lse.view(),
+                                            dq.view(), dk.view(), dv.view(), p),
+                         "[attention_backward] overwrite_dkdv needs accumulate mode", "got accumulate=false");
+}
+
 TEST_F(Validation, BackwardOutMayBeFp32OrInputDtype) {
   const HostTensor qh = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
   const HostTensor kh = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});

@@ -592,6 +592,9 @@ ACCUMULATE_MASKS = {
     "causal": dict(causal=True),
     "causal-window": dict(causal=True, window_left=100),
 }
+# The same, with each block's backward writing its rows of dk and dv (overwrite_dkdv): they start
+# as NaN, which any row left unwritten would keep.
+OVERWRITE_MASKS = {"causal-overwrite-dkdv": "causal"}
 
 
 def key_blocks(seqlen_k):
@@ -601,9 +604,9 @@ def key_blocks(seqlen_k):
     return [blocks[1], blocks[2], blocks[0]]
 
 
-def accumulate_over_blocks(q, k, v, dout, grads0, device, **options):
+def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite_dkdv=False, **options):
     """Forward and backward over key_blocks in accumulate mode on `device`; returns out, lse and the
-    gradients added to grads0 (on the CPU)."""
+    gradients added to grads0 (on the CPU), or with overwrite_dkdv, dk and dv as written."""
     q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
@@ -615,26 +618,33 @@ def accumulate_over_blocks(q, k, v, dout, grads0, device, **options):
         _C.attention_forward(q, k[:, start:end], v[:, start:end], out, lse, q_offset=q_pos, k_offset=start,
                              accumulate=True, **options, **run_options(q))
     dq, dk, dv = (g.to(device).clone() for g in grads0)
+    if overwrite_dkdv:
+        dk.fill_(float("nan"))
+        dv.fill_(float("nan"))
     for start, end in blocks:
         _C.attention_backward(q, k[:, start:end], v[:, start:end], out, dout, lse, dq, dk[:, start:end],
-                              dv[:, start:end], q_offset=q_pos, k_offset=start, accumulate=True, **options,
-                              **run_options(q))
-    return [out.cpu(), lse.cpu()] + [(g.cpu() - g0) for g, g0 in zip((dq, dk, dv), grads0)]
+                              dv[:, start:end], q_offset=q_pos, k_offset=start, accumulate=True,
+                              overwrite_dkdv=overwrite_dkdv, **options, **run_options(q))
+    added = [dq.cpu() - grads0[0]]
+    if overwrite_dkdv:
+        return [out.cpu(), lse.cpu()] + added + [dk.cpu(), dv.cpu()]
+    return [out.cpu(), lse.cpu()] + added + [(g.cpu() - g0) for g, g0 in zip((dk, dv), grads0[1:])]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("mask", list(ACCUMULATE_MASKS))
+@pytest.mark.parametrize("mask", list(ACCUMULATE_MASKS) + list(OVERWRITE_MASKS))
 @pytest.mark.parametrize("shape", ACCUMULATE_SHAPES, ids=str)
 def test_accumulate(shape, mask, dtype):
-    options = ACCUMULATE_MASKS[mask]
+    overwrite = mask in OVERWRITE_MASKS
+    options = ACCUMULATE_MASKS[OVERWRITE_MASKS.get(mask, mask)]
     q, k, v = make_qkv(shape, dtype, seed=14)
     require_support_raw(q, k, v, **options)
     g = torch.Generator().manual_seed(15)
     dout = rounded_randn(q.shape, dtype, g)
     grads0 = [torch.randn(t.shape, generator=g) for t in (q, k, v)]  # fp32 values the gradients add to
 
-    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, **options)
-    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", **options)
+    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, overwrite_dkdv=overwrite, **options)
+    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", overwrite_dkdv=overwrite, **options)
 
     reference_mask = raw_mask(options)
     xs = [t.to(F64).requires_grad_() for t in (q, k, v)]

@@ -16,6 +16,7 @@ struct AttentionArgs {
   DType out_dtype = DType::kFloat32;   // of out (written by forward, read by backward)
   DType grad_dtype = DType::kFloat32;  // of dq, dk, dv
   bool accumulate = false;             // forward merges into out/lse; backward adds into dq/dk/dv
+  bool overwrite_dkdv = false;         // backward with accumulate: dk, dv (fp32) written, not added to
   bool deterministic = false;          // backward: bit-identical results run to run
   int device = -1;                     // the CUDA device of the tensors, -1 on the CPU
 

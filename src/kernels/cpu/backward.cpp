@@ -307,13 +307,17 @@ class Backward {
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const float* dk, const float* dv) const {
     for (int64_t r = 0; r < n; ++r) {
-      store_grad(dk + r * dp_, a_.dk, b, row0 + r, hk);
-      store_grad(dv + r * dp_, a_.dv, b, row0 + r, hk);
+      store_grad(dk + r * dp_, a_.dk, b, row0 + r, hk, adds_kv());
+      store_grad(dv + r * dp_, a_.dv, b, row0 + r, hk, adds_kv());
     }
   }
 
-  void store_grad(const float* src, const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h) const {
-    store_operand_row<T>(src, d_, a_.accumulate, a_.grad_dtype, o, b, row, h);
+  // dK and dV are added to in accumulate mode, unless overwrite_dkdv.
+  bool adds_kv() const { return a_.accumulate && !a_.overwrite_dkdv; }
+
+  void store_grad(const float* src, const AttentionArgs::Operand& o, int64_t b, int64_t row, int64_t h,
+                  bool add) const {
+    store_operand_row<T>(src, d_, add, a_.grad_dtype, o, b, row, h);
   }
 
   // dq = sum over chunks of the fp32 dQ^T tiles, in chunk order. Query rows that no key reached
@@ -335,26 +339,28 @@ class Backward {
           if (r % kVecWidth == 0)  // dQ^T's next kVecWidth columns as rows
             transpose_rows(sum.data() + r, kBlockM, d_, d_, std::min<int64_t>(kVecWidth, rows - r), 1.0f,
                            rows_t.data(), d_);
-          store_grad(rows_t.data() + r % kVecWidth * d_, a_.dq, b, s.row_q + t * kBlockM + r, h);
+          store_grad(rows_t.data() + r % kVecWidth * d_, a_.dq, b, s.row_q + t * kBlockM + r, h, a_.accumulate);
         }
       }
     });
   }
 
-  // Rows of a packed batch outside every sequence are visited by nothing; without accumulate
-  // their gradients are still written, as zeros.
+  // Rows of a packed batch outside every sequence are visited by nothing; gradients that are
+  // written rather than added to (all without accumulate, dK and dV with overwrite_dkdv) are still
+  // written there, as zeros.
   void zero_unused_rows() const {
-    if (a_.accumulate) return;
     const std::vector<float> zeros(d_, 0.0f);
-    for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t r) {
-      for (int64_t h = 0; h < a_.heads_q; ++h) store_grad(zeros.data(), a_.dq, 0, r, h);
-    });
-    for_unused_rows(a_, a_.cu_seqlens_k, a_.rows_k, [&](int64_t r) {
-      for (int64_t hk = 0; hk < a_.heads_kv; ++hk) {
-        store_grad(zeros.data(), a_.dk, 0, r, hk);
-        store_grad(zeros.data(), a_.dv, 0, r, hk);
-      }
-    });
+    if (!a_.accumulate)
+      for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t r) {
+        for (int64_t h = 0; h < a_.heads_q; ++h) store_grad(zeros.data(), a_.dq, 0, r, h, false);
+      });
+    if (!adds_kv())
+      for_unused_rows(a_, a_.cu_seqlens_k, a_.rows_k, [&](int64_t r) {
+        for (int64_t hk = 0; hk < a_.heads_kv; ++hk) {
+          store_grad(zeros.data(), a_.dk, 0, r, hk, false);
+          store_grad(zeros.data(), a_.dv, 0, r, hk, false);
+        }
+      });
   }
 
   const AttentionArgs& a_;

@@ -166,13 +166,16 @@ __device__ __forceinline__ void add_tile_16x8(float* dst, int row_stride, const 
   add_pair(at + 8 * row_stride, c[2] * scale, c[3] * scale);
 }
 
-// Elements col, col + 1 of a gradient row: rounded to T, or added to the fp32 gradient in
-// accumulate mode.
+// Elements col, col + 1 of a gradient row: rounded to T, or in accumulate mode added to the fp32
+// gradient (written instead where `add` is false: dK and dV with overwrite_dkdv).
 template <typename T>
 __device__ __forceinline__ void store_grad_pair(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o,
-                                                int64_t b, int64_t row, int64_t h, int col, float x, float y) {
+                                                int64_t b, int64_t row, int64_t h, int col, float x, float y,
+                                                bool add = true) {
   if (!a.accumulate) {
     *reinterpret_cast<uint32_t*>(row_ptr<T>(o, b, row, h) + col) = Mma<T>::pack(x, y);
+  } else if (!add) {
+    *reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col) = make_float2(x, y);
   } else {
     float2* g = reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col);
     const float2 old = *g;
@@ -461,8 +464,8 @@ struct Backward {
       }
   }
 
-  // Writes (or, in accumulate mode, adds) this warp's part of dK and dV; dK, dV are zero for keys
-  // that no query sees.
+  // Writes (or, in accumulate mode, adds unless overwrite_dkdv) this warp's part of dK and dV;
+  // dK, dV are zero for keys that no query sees.
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
                                                     int col0, const float (&dk)[2][kDT][4],
                                                     const float (&dv)[2][kDT][4], int lane, int key0) {
@@ -480,8 +483,10 @@ struct Backward {
         for (int dt = 0; dt < kDT; ++dt) {
           if (col0 + dt * 8 >= head_dim) break;
           const int col = col0 + dt * 8 + (lane % 4) * 2;
-          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale);
-          store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1]);
+          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale,
+                             !a.overwrite_dkdv);
+          store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1],
+                             !a.overwrite_dkdv);
         }
       }
   }

@@ -37,11 +37,13 @@ void allow_smem(Kernel kernel, int bytes, const char* name, int head_dim) {
   RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// Packed batches without accumulate: zeros (and lse = -inf) in the rows that belong to no sequence.
+// Packed batches: zeros of type T (and lse = -inf) in the rows that belong to no sequence, unless
+// the call adds into its outputs (accumulate mode; for dK and dV, `writes` overrides that).
 template <typename T>
 void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o, float* lse,
-                       const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream) {
-  if (!cu_seqlens || a.accumulate || rows == 0) return;
+                       const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream,
+                       bool writes = false) {
+  if (!cu_seqlens || (a.accumulate && !writes) || rows == 0) return;
   constexpr int kThreads = 256;
   clear_unused_rows_kernel<T><<<blocks_for(rows * heads, kThreads), kThreads, 0, stream>>>(
       o, lse, a.lse_head_stride, cu_seqlens, a.batch, rows, heads, static_cast<int>(a.head_dim));
@@ -94,8 +96,13 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
-  clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
-  clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+  if (a.accumulate && a.overwrite_dkdv) {  // fp32 dK and dV, written whole
+    clear_unused_rows<float>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream, true);
+    clear_unused_rows<float>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream, true);
+  } else {
+    clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+    clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+  }
 }
 
 template <typename T, int kHeadDim>

@@ -30,7 +30,5 @@ void upload(const void*, size_t, void*, int, void*) { no_cuda("upload"); }
 bool capturing(int, void*) { return false; }
 void* allocate(int, size_t, void*) { no_cuda("Workspace"); }
 void release(int, void*, void*) noexcept {}
-void* fork(int, void*) { no_cuda("SideStream"); }
-void join(int, void*, void*) { no_cuda("SideStream"); }
 
 }  // namespace ringflash::cuda

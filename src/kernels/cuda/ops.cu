@@ -239,33 +239,4 @@ void release(int device, void* data, void* stream) noexcept {
   cudaFreeAsync(data, static_cast<cudaStream_t>(stream));
 }
 
-// One side stream per device, made on first use.
-void* fork(int device, void* stream) {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static cudaStream_t sides[kMaxDevices] = {};
-  RINGFLASH_CHECK(device >= 0 && device < kMaxDevices, InvalidArgument, "[SideStream] CUDA device index must be in [0, ",
-                  kMaxDevices, "), got ", device);
-  DeviceGuard guard(device);
-  cudaStream_t side = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!sides[device]) RINGFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&sides[device], cudaStreamNonBlocking));
-    side = sides[device];
-  }
-  join(device, stream, side);
-  return side;
-}
-
-void join(int device, void* from, void* into) {
-  DeviceGuard guard(device);
-  cudaEvent_t done = nullptr;
-  RINGFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  const cudaError_t recorded = cudaEventRecord(done, static_cast<cudaStream_t>(from));
-  const cudaError_t waited =
-      recorded == cudaSuccess ? cudaStreamWaitEvent(static_cast<cudaStream_t>(into), done, 0) : recorded;
-  cudaEventDestroy(done);
-  RINGFLASH_CUDA_CHECK(waited);
-}
-
 }  // namespace ringflash::cuda
