@@ -164,16 +164,20 @@ struct Call {
   AttentionParams params;
 };
 
-// Whether the calls' key blocks are disjoint and together make up `rows` exactly: then each call
-// can write its rows of dK/dV instead of adding to them, and their accumulator needs no zero fill.
-bool cover_rows(std::vector<Call> calls, const Block& rows) {
+// When the calls' key blocks (within `rows`) are disjoint, the parts of `rows` that none of them
+// covers: each call can then write its rows of dK/dV instead of adding to them, and only those
+// parts need zeros. Nothing when two blocks overlap.
+std::optional<std::vector<Block>> uncovered(std::vector<Call> calls, const Block& rows) {
   std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.k.row < b.k.row; });
+  std::vector<Block> gaps;
   int64_t end = rows.row;
   for (const Call& c : calls) {
-    if (c.k.row != end) return false;
-    end += c.k.count;
+    if (c.k.row < end) return std::nullopt;
+    if (c.k.row > end) gaps.push_back({end, c.k.row - end});
+    end = c.k.row + c.k.count;
   }
-  return end == rows.row + rows.count;
+  if (end < rows.row + rows.count) gaps.push_back({end, rows.row + rows.count - end});
+  return gaps;
 }
 
 // Whether one kernel call over query runs qs[qa..qb] and key runs ks[ka..kb] (stride 1), with
@@ -298,12 +302,12 @@ class Ring {
     const int64_t split = steps_ > 1 ? geo_.rows[rank_] / 2 : geo_.rows[rank_];
     const Block halves[2] = {{0, split}, {split, geo_.rows[rank_] - split}};
     const std::vector<Call> own_calls[2] = {calls(rank_, halves[0]), calls(rank_, halves[1])};
-    const bool own_written = cover_rows(own_calls[0], halves[0]) && cover_rows(own_calls[1], halves[1]);
-    if (!own_written) kernels::fill(flat(own, device_, 2 * rows_elements(rank_)), 0.0f, stream_);
+    const bool own_written[2] = {prepare_grads(own_calls[0], own, rank_, halves[0]),
+                                 prepare_grads(own_calls[1], own, rank_, halves[1])};
     const auto own_part = [&](int half) {
       const KeyValues grads = grad_views(own, rank_);
       for (const Call& c : own_calls[half])
-        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written);
+        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written[half]);
     };
 
     prepare_travel();
@@ -320,11 +324,10 @@ class Ring {
       unsigned char* carried = partial[s % 2];
       unsigned char* target = s == 1 ? carried : block;
       const std::vector<Call> step_calls = calls(src);
-      const bool written = cover_rows(step_calls, {0, geo_.rows[src]});
       // Step 1's partial travels on even if no pair reached it; a later step's block that no pair
       // reached is simply not added.
-      if (!written && (s == 1 || !step_calls.empty()))
-        kernels::fill(flat(target, device_, 2 * rows_elements(src)), 0.0f, stream_);
+      const bool written =
+          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {0, geo_.rows[src]});
       for (const Call& c : step_calls) backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written);
       if (s > 1) {
         grads_in->wait();
@@ -360,6 +363,18 @@ class Ring {
 
  private:
   int source(int step) const { return (rank_ - step + world_) % world_; }
+
+  // Readies rows `keys` of the fp32 dK/dV of `rank`'s block at `grads` for `calls`. When their
+  // key blocks are disjoint: zeros in the rows that none of them covers, and true (the calls write
+  // their own rows, overwrite_dkdv). Otherwise: zeros in all of them, and false (the calls add).
+  bool prepare_grads(const std::vector<Call>& calls, unsigned char* grads, int rank, const Block& keys) const {
+    const std::optional<std::vector<Block>> gaps = uncovered(calls, keys);
+    const KeyValues views = grad_views(grads, rank);
+    for (const Block& zeros : gaps ? *gaps : std::vector<Block>{keys})
+      for (const TensorView& t : {views.k, views.v})
+        if (zeros.count > 0) kernels::fill(rows(t, zeros), 0.0f, stream_);
+    return gaps.has_value();
+  }
 
   // One backward call of a step: gradients added into dq_acc and into (or, where `overwrite`,
   // written to) `grads`, the fp32 dK/dV of the step's K/V.
