@@ -1,7 +1,8 @@
 """ringflash against torch SDPA's flash and cuDNN backends on one GPU, side by side in one run.
 
     python bench/gpu_bench.py [--hdims 64,128] [--seqlens 1024,4096,16384] [--causal 0,1]
-                              [--repeat 1] [--quick] [--warmup 25] [--rep 100] [--json PATH]
+                              [--repeat 1] [--interleave N] [--quick] [--warmup 25] [--rep 100]
+                              [--json PATH]
 
 Shapes and measurements are those of the peer baseline (/work/shared/peers/sdpa_bench.py): bf16,
 16k tokens per batch (batch = 16384 // seqlen), hidden 2048 (heads = 2048 // hdim), causal and
@@ -15,7 +16,11 @@ forward+backward 3.5 x forward. Ratios are ringflash TFLOP/s / backend TFLOP/s: 
 ringflash is faster.
 
 For each shape the backends are measured in turn, each forward then forward+backward, rotating
-which one goes first over --repeat rounds (the medians over rounds are reported). Once per shape,
+which one goes first over --repeat rounds (the medians over rounds are reported). --interleave N
+times them call by call instead: N rounds in which every backend makes one call (L2 flushed
+before each, the first backend rotating), medians of N per backend. The GPU's clock moves by a
+few % over the seconds a shape takes, and with this every backend sees the same clocks, so the
+ratios between backends move less from run to run. Once per shape,
 ringflash's out, dq, dk and dv are compared with the flash backend's on the same inputs (cuDNN's
 when flash cannot run); a relative difference (max |a - b| / max |b|) above the limit marks the
 shape MISMATCH and the exit status non-zero, so a fast but wrong kernel does not pass.
@@ -67,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--seqlens", type=int_list, default=[1024, 4096, 16384])
     p.add_argument("--causal", type=bool_list, default=[False, True])
     p.add_argument("--repeat", type=int, default=1, help="rounds of measurements per shape (medians reported)")
+    p.add_argument("--interleave", type=int, default=0, metavar="N",
+                   help="time the backends call by call in turn, N calls each (0: do_bench per backend)")
     p.add_argument("--quick", action="store_true", help=f"one shape per head dim: seqlen {QUICK_SEQLEN}, causal")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms (the peer's 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (the peer's 100)")
@@ -76,6 +83,8 @@ def parse_args(argv=None):
         args.seqlens, args.causal = [QUICK_SEQLEN], [True]
     if args.repeat < 1:
         p.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.interleave < 0:
+        p.error(f"--interleave must be >= 0, got {args.interleave}")
     for hdim in args.hdims:
         if hdim <= 0 or HIDDEN % hdim:
             p.error(f"--hdims: each head dim must divide the hidden size {HIDDEN}, got {hdim}")
@@ -175,6 +184,52 @@ def measure(backend, inputs, causal, args, bench):
     return t_fwd, t_fwd_bwd
 
 
+def measure_interleaved(backends, inputs, causal, calls):
+    """{backend: (forward ms, forward+backward ms)}: medians of `calls` calls each, the backends
+    taking turns call by call (L2 flushed before each call, the first backend rotating), so that
+    every backend meets the same GPU clocks. A backend that raises is left out; {backend: message}
+    of those comes second."""
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    passes, errors = {}, {}
+    for backend in backends:
+        fwd = forward_fn(backend, inputs, causal)
+        tensors = tensors_of(backend, inputs)
+
+        def fwd_bwd(fwd=fwd, dout=tensors[3]):
+            fwd().backward(dout)
+        passes[backend] = (fwd, fwd_bwd, tensors[:3])
+        try:
+            with backend_context(backend):
+                for fn in (fwd, fwd_bwd):
+                    for _ in range(3):
+                        fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+            errors[backend] = f"{type(e).__name__}: {e}"[:300]
+            del passes[backend]
+            torch.cuda.synchronize()
+    names = list(passes)
+    times = {b: [] for b in names}
+    for which in range(2):  # forward, then forward+backward
+        events = {b: [] for b in names}
+        for i in range(calls):
+            for backend in names[i % len(names):] + names[:i % len(names)]:
+                fn, grads = passes[backend][which], passes[backend][2]
+                for t in grads:
+                    t.grad = None
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with backend_context(backend):
+                    flush.zero_()
+                    start.record()
+                    fn()
+                    end.record()
+                events[backend].append((start, end))
+        torch.cuda.synchronize()
+        for backend in names:
+            times[backend].append(statistics.median(s.elapsed_time(e) for s, e in events[backend]))
+    return {b: tuple(t) for b, t in times.items()}, errors
+
+
 def results_of(backend, inputs, causal):
     """out, dq, dk, dv of one forward+backward, in (B, S, H, D)."""
     tensors = tensors_of(backend, inputs)
@@ -239,16 +294,21 @@ def run_shape(hdim, seqlen, causal, args, bench):
     inputs = Inputs(batch, seqlen, heads, hdim, seed=seqlen * 1000 + hdim * 2 + int(causal))
     times = {b: [] for b in BACKENDS}
     errors = {}
-    for round_ in range(args.repeat):
-        order = BACKENDS[round_ % len(BACKENDS):] + BACKENDS[:round_ % len(BACKENDS)]
-        for backend in order:
-            if backend in errors:
-                continue
-            try:
-                times[backend].append(measure(backend, inputs, causal, args, bench))
-            except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
-                errors[backend] = f"{type(e).__name__}: {e}"[:300]
-                torch.cuda.synchronize()
+    if args.interleave:
+        measured, errors = measure_interleaved(BACKENDS, inputs, causal, args.interleave)
+        for backend, t in measured.items():
+            times[backend].append(t)
+    else:
+        for round_ in range(args.repeat):
+            order = BACKENDS[round_ % len(BACKENDS):] + BACKENDS[:round_ % len(BACKENDS)]
+            for backend in order:
+                if backend in errors:
+                    continue
+                try:
+                    times[backend].append(measure(backend, inputs, causal, args, bench))
+                except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
+                    errors[backend] = f"{type(e).__name__}: {e}"[:300]
+                    torch.cuda.synchronize()
     rows = []
     for backend in BACKENDS:
         row = dict(backend=backend, hdim=hdim, seqlen=seqlen, batch=batch, heads=heads, causal=causal,
@@ -327,10 +387,12 @@ def main(argv=None):
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
                 device=torch.cuda.get_device_name(), ringflash=ringflash.__version__,
                 ringflash_build=ringflash.build_info(), timer=timer_name, warmup_ms=args.warmup, rep_ms=args.rep,
-                repeat=args.repeat, dtype="bf16", total_tokens=TOTAL_TOKENS, hidden=HIDDEN)
+                repeat=args.repeat, interleave=args.interleave, dtype="bf16", total_tokens=TOTAL_TOKENS,
+                hidden=HIDDEN)
+    timing = (f"call by call in turn, {args.interleave} calls per backend" if args.interleave else
+              f"{timer_name}, warm-up {args.warmup:g} ms, rep {args.rep:g} ms, {args.repeat} round(s)")
     print(f"torch {info['torch']} (CUDA {info['cuda']}, cuDNN {info['cudnn']}) on {info['device']}; "
-          f"ringflash {info['ringflash']}; {timer_name}, warm-up {args.warmup:g} ms, rep {args.rep:g} ms, "
-          f"{args.repeat} round(s), medians")
+          f"ringflash {info['ringflash']}; {timing}, medians")
     print(ringflash.build_info().rstrip(), flush=True)
 
     shapes = []

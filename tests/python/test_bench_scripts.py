@@ -1,6 +1,6 @@
 """The GPU benchmarks, checked without a GPU: bench/cp_bench.py's strategy names (hybrid
-factorisations included), bench/cp_profile.py's summary of a trace, and bench/zigzag_steps_bench.py's
-plan of a rank's kernel calls, run on the CPU kernels."""
+factorisations included), bench/cp_profile.py's summary of a trace, bench/zigzag_steps_bench.py's
+plan of a rank's kernel calls, run on the CPU kernels, and bench/gpu_bench.py's options."""
 
 import json
 import os
@@ -94,3 +94,12 @@ def test_zigzag_steps_bench_runs_on_the_cpu_and_its_calls_agree_with_one_call(tm
     assert all(c["out"] < 2e-2 and c["dq"] < 2e-2 for c in result["checks"].values())
     assert set(result["summary"]) == {"fwd", "bwd", "fwd_bwd"}
     assert all(s["kernel_efficiency"] > 0 for s in result["summary"].values())
+
+
+def test_gpu_bench_takes_interleave_and_refuses_a_negative_count(capsys):
+    import gpu_bench
+    assert gpu_bench.parse_args(["--interleave", "30"]).interleave == 30
+    assert gpu_bench.parse_args([]).interleave == 0
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--interleave", "-1"])
+    assert "--interleave must be >= 0, got -1" in capsys.readouterr().err
