@@ -18,9 +18,10 @@ ringflash is faster.
 For each shape the backends are measured in turn, each forward then forward+backward, rotating
 which one goes first over --repeat rounds (the medians over rounds are reported). --interleave N
 times them call by call instead: N rounds in which every backend makes one call (L2 flushed
-before each, the first backend rotating), medians of N per backend. The GPU's clock moves by a
-few % over the seconds a shape takes, and with this every backend sees the same clocks, so the
-ratios between backends move less from run to run. Once per shape,
+before each, the first backend rotating), medians of N per backend, so that the backends share
+the GPU's clocks, which move by several % over the seconds a shape takes; each call then follows
+another backend's, whose power draw it meets (bench/NOTES.md, h33, has both ways side by side).
+Once per shape,
 ringflash's out, dq, dk and dv are compared with the flash backend's on the same inputs (cuDNN's
 when flash cannot run); a relative difference (max |a - b| / max |b|) above the limit marks the
 shape MISMATCH and the exit status non-zero, so a fast but wrong kernel does not pass.
