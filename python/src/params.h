@@ -18,7 +18,8 @@ namespace ringflash::python {
       float softcap, const OptionalInput &alibi_slopes, float dropout_p, bool deterministic,      \
       std::optional<int64_t> q_offset, int64_t k_offset, const OptionalInput &q_seq_offsets,      \
       const OptionalInput &k_seq_offsets, const OptionalInput &cu_seqlens_q,                      \
-      const OptionalInput &cu_seqlens_k, bool accumulate, bool overwrite_dkdv, int num_threads, uintptr_t stream
+      const OptionalInput &cu_seqlens_k, bool accumulate, bool overwrite_dkdv, int num_threads,   \
+      uintptr_t stream
 #define RINGFLASH_OPTION_NAMES                                                                    \
   softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,            \
       deterministic, q_offset, k_offset, q_seq_offsets, k_seq_offsets, cu_seqlens_q, cu_seqlens_k, \

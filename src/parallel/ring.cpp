@@ -280,8 +280,9 @@ class Ring {
     // with the block's K/V, and its last hop lands at home, where it is added to `own`: P - 1 hops
     // for a full ring. Two partials travel in turn (one is being sent while the other is
     // received); from step 2 on, the kernel writes into `block`, which is then added to the partial
-    // arriving from the previous rank. A buffer's first calls write it instead of adding to it
-    // (overwrite_dkdv) where their key blocks make up its rows exactly; otherwise it is zeroed first.
+    // arriving from the previous rank. Where the key blocks of the calls into a buffer are
+    // disjoint, the calls write their rows (overwrite_dkdv) and only the rows that none covers are
+    // zeroed; otherwise the whole buffer is zeroed and the calls add.
     const bool own_dq = dq.dtype() != DType::kFloat32;
     const size_t grad_bytes = static_cast<size_t>(2 * kv_elements_) * sizeof(float);
     kernels::WorkspaceLayout layout;
@@ -363,6 +364,8 @@ class Ring {
 
  private:
   int source(int step) const { return (rank_ - step + world_) % world_; }
+  int next() const { return (rank_ + 1) % world_; }
+  int prev() const { return (rank_ - 1 + world_) % world_; }
 
   // Readies rows `keys` of the fp32 dK/dV of `rank`'s block at `grads` for `calls`. When their
   // key blocks are disjoint: zeros in the rows that none of them covers, and true (the calls write
@@ -385,8 +388,6 @@ class Ring {
     attention_backward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(out, c.q), rows(dout, c.q),
                        lse_rows(lse, c.q), rows(dq_acc, c.q), rows(grads.k, c.k), rows(grads.v, c.k), params);
   }
-  int next() const { return (rank_ + 1) % world_; }
-  int prev() const { return (rank_ - 1 + world_) % world_; }
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
   int64_t rows_elements(int rank) const { return geo_.batch * geo_.rows[rank] * p_.heads_kv * p_.head_dim; }
