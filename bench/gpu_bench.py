@@ -21,10 +21,11 @@ times them call by call instead: N rounds in which every backend makes one call 
 before each, the first backend rotating), medians of N per backend, so that the backends share
 the GPU's clocks, which move by several % over the seconds a shape takes; each call then follows
 another backend's, whose power draw it meets (bench/NOTES.md, h33, has both ways side by side).
-Once per shape,
-ringflash's out, dq, dk and dv are compared with the flash backend's on the same inputs (cuDNN's
-when flash cannot run); a relative difference (max |a - b| / max |b|) above the limit marks the
-shape MISMATCH and the exit status non-zero, so a fast but wrong kernel does not pass.
+
+Once per shape, ringflash's out, dq, dk and dv are compared with the flash backend's on the same
+inputs (cuDNN's when flash cannot run); a relative difference (max |a - b| / max |b|) above the
+limit marks the shape MISMATCH and the exit status non-zero, so a fast but wrong kernel does not
+pass.
 
 --quick runs one shape per head dim: seqlen 4096, causal. JSON goes to --json PATH, or to
 $OUT/gpu_bench.json when OUT is set. The table is printed last.
