@@ -176,6 +176,13 @@ def _fp32_zeros(t: Tensor) -> Tensor:
     return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
 
+def _fp32_like(t: Tensor) -> Tensor:
+    """t itself when it is fp32; else an fp32 tensor of its shape, not initialised."""
+    if t.dtype == torch.float32:
+        return t
+    return torch.empty(t.shape, dtype=torch.float32, device=t.device)
+
+
 def _supported(op: str, q: Tensor, k: Tensor, v: Tensor, options: dict, q_offset: Optional[int],
                k_offset: int) -> bool:
     """Whether the library takes these inputs and options. When it does not, the caller repeats the
@@ -299,16 +306,22 @@ def _chunked_attention_backward(
         return dq, dk, dv
 
     # Key chunks outside, query chunks inside: dk and dv of one key chunk are complete after its
-    # inner loop; dq sums over every key chunk, in fp32.
+    # inner loop (the first query chunk that sees it writes them, overwrite_dkdv, and the others
+    # add; with none they are zeros); dq sums over every key chunk, in fp32.
     dq_acc = _fp32_zeros(dq)  # (B, Sq, Hq, D) fp32
     for kc in plan.kv_chunks:
         dk_c, dv_c = _rows(dk, kc), _rows(dv, kc)
-        dk_acc, dv_acc = _fp32_zeros(dk_c), _fp32_zeros(dv_c)  # (B, chunk, Hkv, D) fp32
+        dk_acc, dv_acc = _fp32_like(dk_c), _fp32_like(dv_c)  # (B, chunk, Hkv, D) fp32
+        written = False
         for qc in plan.q_chunks:
             if plan.visible(qc, kc):
                 _C.attention_backward(_rows(q, qc), _rows(k, kc), _rows(v, kc), _rows(out, qc), _rows(dout, qc),
                                       _lse_rows(lse, qc), _rows(dq_acc, qc), dk_acc, dv_acc, accumulate=True,
-                                      **plan.offsets(qc, kc), **options)
+                                      overwrite_dkdv=not written, **plan.offsets(qc, kc), **options)
+                written = True
+        if not written:
+            dk_acc.zero_()
+            dv_acc.zero_()
         if dk_acc is not dk_c:
             dk_c.copy_(dk_acc)
             dv_c.copy_(dv_acc)
