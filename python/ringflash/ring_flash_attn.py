@@ -666,10 +666,15 @@ def _llama3_varlen_backward(
     for h0, k_i, v_i in world.gathered_heads(_detach(k), _detach(v), heads_k_stride, slice(k_start, k_stop)):
         n = k_i.shape[1]
         heads = slice(h0 * per_kv, (h0 + n) * per_kv)
-        full = [torch.zeros((world.size * tokens, n, head_dim), dtype=torch.float32, device=q.device)
-                for _ in range(2)]  # dK, dV over every gathered key: (P * T, n, D)
+        # dK, dV over every gathered key, (P * T, n, D): the call writes rows [k_start, k_stop)
+        # (overwrite_dkdv), the others are zeros.
+        full = [torch.empty((world.size * tokens, n, head_dim), dtype=torch.float32, device=q.device)
+                for _ in range(2)]
+        for t in full:
+            t[:k_start].zero_()
+            t[k_stop:].zero_()
         _C.attention_backward(q[:, heads], k_i, v_i, out[:, heads], dout[:, heads], lse[heads], dq[:, heads],
-                              full[0][k_start:k_stop], full[1][k_start:k_stop], accumulate=True,
+                              full[0][k_start:k_stop], full[1][k_start:k_stop], accumulate=True, overwrite_dkdv=True,
                               alibi_slopes=_slopes(alibi_slopes, heads), q_seq_offsets=q_pos, k_seq_offsets=k_pos,
                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **options, **_run_options(q))
         if world.group is None:

@@ -130,11 +130,17 @@ class AllGather {
       const TensorView dq = contiguous_like(at(dq_at), DType::kFloat32, narrow(p_.dq, -2, q));
       const KeyValues dkv{joined_tokens(plan_, at(dk_at), DType::kFloat32, device_, slice.count, dim_),
                           joined_tokens(plan_, at(dv_at), DType::kFloat32, device_, slice.count, dim_)};
-      for (const TensorView& t : {dq, dkv.k, dkv.v}) kernels::fill(t, 0.0f, stream_);
-      // A rank without rows has no gradient to add.
-      if (dq.numel() > 0)
+      // One call over every gathered row writes all of dK/dV (overwrite_dkdv) and adds into dq; a
+      // rank without rows has no gradient, and its dK/dV are zeros.
+      kernels::fill(dq, 0.0f, stream_);
+      if (dq.numel() > 0) {
+        AttentionParams grads = params(q, true);
+        grads.overwrite_dkdv = true;
         attention_backward(narrow(p_.q, -2, q), k, v, narrow(p_.out, -2, q), narrow(p_.dout, -2, q),
-                           narrow(p_.lse, -2, q), dq, dkv.k, dkv.v, params(q, true));
+                           narrow(p_.lse, -2, q), dq, dkv.k, dkv.v, grads);
+      } else {
+        for (const TensorView& t : {dkv.k, dkv.v}) kernels::fill(t, 0.0f, stream_);
+      }
       kernels::copy(dq, narrow(p_.dq, -2, q), stream_);  // fp32 -> dq (B, S_r, Hq, D)
 
       // (B, S, slice, D) fp32 -> this rank's rows summed over ranks (B, S_r, slice, D) -> dk, dv (B, S_r, Hkv, D)
