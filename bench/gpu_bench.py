@@ -171,18 +171,23 @@ def forward_fn(backend, inputs, causal):
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def measure(backend, inputs, causal, args, bench):
-    """(forward ms, forward+backward ms) medians of one backend on one shape."""
+def passes_of(backend, inputs, causal):
+    """The timed calls of `backend`: (forward, forward+backward, the tensors whose gradients the
+    second sets)."""
     fwd = forward_fn(backend, inputs, causal)
     tensors = tensors_of(backend, inputs)
-    dout = tensors[3]
 
     def fwd_bwd():
-        fwd().backward(dout)
+        fwd().backward(tensors[3])
+    return fwd, fwd_bwd, tensors[:3]
 
+
+def measure(backend, inputs, causal, args, bench):
+    """(forward ms, forward+backward ms) medians of one backend on one shape."""
+    fwd, fwd_bwd, grads = passes_of(backend, inputs, causal)
     with backend_context(backend):
         t_fwd = bench(fwd, args.warmup, args.rep)
-        t_fwd_bwd = bench(fwd_bwd, args.warmup, args.rep, grad_to_none=tensors[:3])
+        t_fwd_bwd = bench(fwd_bwd, args.warmup, args.rep, grad_to_none=grads)
     return t_fwd, t_fwd_bwd
 
 
@@ -194,15 +199,10 @@ def measure_interleaved(backends, inputs, causal, calls):
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
     passes, errors = {}, {}
     for backend in backends:
-        fwd = forward_fn(backend, inputs, causal)
-        tensors = tensors_of(backend, inputs)
-
-        def fwd_bwd(fwd=fwd, dout=tensors[3]):
-            fwd().backward(dout)
-        passes[backend] = (fwd, fwd_bwd, tensors[:3])
+        passes[backend] = passes_of(backend, inputs, causal)
         try:
             with backend_context(backend):
-                for fn in (fwd, fwd_bwd):
+                for fn in passes[backend][:2]:
                     for _ in range(3):
                         fn()
             torch.cuda.synchronize()

@@ -169,18 +169,16 @@ def _lse_rows(lse: Tensor, chunk: Tuple[int, int]) -> Tensor:
     return lse[:, :, chunk[0]:chunk[1]]
 
 
-def _fp32_zeros(t: Tensor) -> Tensor:
-    """t itself, zeroed, when it is fp32; else a zeroed fp32 tensor of its shape."""
-    if t.dtype == torch.float32:
-        return t.zero_()
-    return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-
-
 def _fp32_like(t: Tensor) -> Tensor:
     """t itself when it is fp32; else an fp32 tensor of its shape, not initialised."""
     if t.dtype == torch.float32:
         return t
     return torch.empty(t.shape, dtype=torch.float32, device=t.device)
+
+
+def _fp32_zeros(t: Tensor) -> Tensor:
+    """_fp32_like(t), zeroed."""
+    return _fp32_like(t).zero_()
 
 
 def _supported(op: str, q: Tensor, k: Tensor, v: Tensor, options: dict, q_offset: Optional[int],

@@ -167,14 +167,16 @@ struct Call {
 // When the calls' key blocks (within `rows`) are disjoint, the parts of `rows` that none of them
 // covers: each call can then write its rows of dK/dV instead of adding to them, and only those
 // parts need zeros. Nothing when two blocks overlap.
-std::optional<std::vector<Block>> uncovered(std::vector<Call> calls, const Block& rows) {
-  std::sort(calls.begin(), calls.end(), [](const Call& a, const Call& b) { return a.k.row < b.k.row; });
+std::optional<std::vector<Block>> uncovered(const std::vector<Call>& calls, const Block& rows) {
+  std::vector<Block> keys;
+  for (const Call& c : calls) keys.push_back(c.k);
+  std::sort(keys.begin(), keys.end(), [](const Block& a, const Block& b) { return a.row < b.row; });
   std::vector<Block> gaps;
   int64_t end = rows.row;
-  for (const Call& c : calls) {
-    if (c.k.row < end) return std::nullopt;
-    if (c.k.row > end) gaps.push_back({end, c.k.row - end});
-    end = c.k.row + c.k.count;
+  for (const Block& k : keys) {
+    if (k.row < end) return std::nullopt;
+    if (k.row > end) gaps.push_back({end, k.row - end});
+    end = k.row + k.count;
   }
   if (end < rows.row + rows.count) gaps.push_back({end, rows.row + rows.count - end});
   return gaps;

@@ -37,17 +37,22 @@ void allow_smem(Kernel kernel, int bytes, const char* name, int head_dim) {
   RINGFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-// Packed batches: zeros of type T (and lse = -inf) in the rows that belong to no sequence, unless
-// the call adds into its outputs (accumulate mode; for dK and dV, `writes` overrides that).
+// Packed batches: zeros of type T (and lse = -inf) in the rows that belong to no sequence.
 template <typename T>
-void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o, float* lse,
-                       const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream,
-                       bool writes = false) {
-  if (!cu_seqlens || (a.accumulate && !writes) || rows == 0) return;
+void zero_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o, float* lse,
+                      const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream) {
+  if (!cu_seqlens || rows == 0) return;
   constexpr int kThreads = 256;
   clear_unused_rows_kernel<T><<<blocks_for(rows * heads, kThreads), kThreads, 0, stream>>>(
       o, lse, a.lse_head_stride, cu_seqlens, a.batch, rows, heads, static_cast<int>(a.head_dim));
   RINGFLASH_CUDA_CHECK(cudaGetLastError());
+}
+
+// The same for an output the call writes rather than adds to: every output without accumulate.
+template <typename T>
+void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o, float* lse,
+                       const int32_t* cu_seqlens, int64_t rows, int64_t heads, cudaStream_t stream) {
+  if (!a.accumulate) zero_unused_rows<T>(a, o, lse, cu_seqlens, rows, heads, stream);
 }
 
 template <typename T, int kHeadDim>
@@ -96,12 +101,11 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
-  if (a.accumulate && a.overwrite_dkdv) {  // fp32 dK and dV, written whole
-    clear_unused_rows<float>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream, true);
-    clear_unused_rows<float>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream, true);
-  } else {
-    clear_unused_rows<T>(a, a.dk, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
-    clear_unused_rows<T>(a, a.dv, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+  // dK and dV are written too in accumulate mode with overwrite_dkdv, in fp32.
+  for (const core::AttentionArgs::Operand* o : {&a.dk, &a.dv}) {
+    clear_unused_rows<T>(a, *o, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
+    if (a.accumulate && a.overwrite_dkdv)
+      zero_unused_rows<float>(a, *o, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
   }
 }
 
