@@ -47,6 +47,7 @@ __all__ = [
     "chunked",
     "chunked_attention",
     "distributed",
+    "empty_cache",
     "flash_attention_qkv_packed",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
@@ -74,6 +75,14 @@ __all__ = [
 def build_info() -> str:
     """What this build contains, one line per component (version, cpu, cuda, mpi, nccl)."""
     return _C.build_info()
+
+
+def empty_cache() -> None:
+    """Give the CUDA memory that ringflash's workspace pools keep unused between calls back to the
+    devices, as torch.cuda.empty_cache() does for torch's cache. ringflash's pools are its own, so
+    torch's cache does not hold them; a ringflash allocation that fails empties them by itself
+    before it raises. Each device ringflash has used is synchronised first."""
+    _C.empty_cache()
 
 
 def has_cuda() -> bool:

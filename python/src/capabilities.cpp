@@ -1,4 +1,4 @@
-// What this build contains: version, build_info, has_cuda, has_mpi, has_nccl.
+// What this build contains (version, build_info, has_cuda, has_mpi, has_nccl), and empty_cache.
 #include "ringflash/capabilities.h"
 
 #include <nanobind/stl/string.h>
@@ -16,6 +16,8 @@ void init_capabilities(nb::module_& m) {
   m.def("has_cuda", &has_cuda, "Whether the CUDA kernels are compiled in and a CUDA device is present.");
   m.def("has_mpi", &has_mpi, "Whether the mpi transport is compiled in.");
   m.def("has_nccl", &has_nccl, "Whether the nccl transport is compiled in.");
+  m.def("empty_cache", &empty_cache, nb::call_guard<nb::gil_scoped_release>(),
+        "Gives the CUDA memory that ringflash's workspace pools keep unused back to the devices.");
 }
 
 }  // namespace ringflash::python

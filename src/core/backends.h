@@ -27,6 +27,8 @@ void upload(const void* src, size_t bytes, void* dst, int device, void* stream);
 bool capturing(int device, void* stream);
 void* allocate(int device, size_t bytes, void* stream);
 void release(int device, void* data, void* stream) noexcept;
+// Every device's pool gives back the memory it keeps unused (after a device synchronisation).
+void release_unused();
 }  // namespace ringflash::cuda
 
 namespace ringflash::comm::mpi {

@@ -10,6 +10,7 @@ const char* version() { return "0.1.0"; }
 bool has_cuda() { return cuda::is_available(); }
 bool has_mpi() { return comm::mpi::is_available(); }
 bool has_nccl() { return comm::nccl::is_available(); }
+void empty_cache() { cuda::release_unused(); }
 
 std::string build_info() {
   return "version: " + std::string(version()) + "\n" +

@@ -1,6 +1,7 @@
 """The GPU benchmarks, checked without a GPU: bench/cp_bench.py's strategy names (hybrid
-factorisations included), bench/cp_profile.py's summary of a trace, bench/zigzag_steps_bench.py's
-plan of a rank's kernel calls, run on the CPU kernels, and bench/gpu_bench.py's options."""
+factorisations included) and its check's differences, bench/cp_profile.py's summary of a trace,
+bench/zigzag_steps_bench.py's plan of a rank's kernel calls, run on the CPU kernels, and
+bench/gpu_bench.py's options."""
 
 import json
 import os
@@ -24,6 +25,16 @@ def test_unknown_strategy_names_are_refused(name, capsys):
     with pytest.raises(SystemExit):
         cp_bench.parse_args(["--strategies", name])
     assert f"got {name!r}" in capsys.readouterr().err
+
+
+def test_the_check_compares_a_few_heads_at_a_time():
+    import torch
+    b = torch.randn(1, 50, 9, 8, dtype=torch.bfloat16)
+    a = b.clone()
+    a[0, 7, 8, 3] += 3.0  # in the last chunk of heads, which is short
+    diff, scale = cp_bench.max_abs_diff_and_max(a, b, heads_per_chunk=4)
+    assert diff == (a.float() - b.float()).abs().max().item() > 2.9
+    assert scale == b.float().abs().max().item()
 
 
 def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():

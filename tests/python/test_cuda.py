@@ -762,6 +762,56 @@ def test_side_stream():
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+# --- workspace memory --------------------------------------------------------------------------------
+
+MiB = 2**20
+
+
+def backward_call(batch):
+    """A causal backward whose workspace grows with batch (its fp32 dQ accumulator: 16 MiB per
+    sequence of 1024 x 32 heads x 128), as a function, and its dq. Every tensor is made up front, so
+    during the call ringflash's workspace is the only memory taken."""
+    gen = torch.Generator(DEVICE).manual_seed(batch)
+    q, k, v, dout = (torch.randn(batch, 1024, 32, 128, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    out, dq, dk, dv = (torch.empty_like(q) for _ in range(4))
+    lse = torch.empty(batch, 32, 1024, device=DEVICE)
+    _C.attention_forward(q, k, v, out, lse, causal=True)
+    return (lambda: _C.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, causal=True)), dq
+
+
+def free_bytes():
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def test_workspace_memory_given_back():
+    """ringflash's pool keeps a call's workspace for the next call; empty_cache() gives it back, and a
+    call that does not fit beside what the pool keeps gives it back by itself instead of failing."""
+    small, _ = backward_call(32)
+    large, dq = backward_call(40)  # a workspace 1.25 x small's
+    small()  # loads the kernels (lazy module loading takes device memory too)
+    ringflash.empty_cache()
+    before = free_bytes()
+    small()
+    kept = before - free_bytes()
+    assert kept >= 32 * 16 * MiB, f"ringflash's pool keeps {kept / MiB:.0f} MiB after a call that needed 512+"
+    ringflash.empty_cache()
+    assert free_bytes() >= before - 64 * MiB, "empty_cache() did not give the pool's memory back"
+
+    small()  # the pool keeps `kept` again
+    filler = torch.empty(free_bytes() - kept // 2, dtype=torch.uint8, device=DEVICE)
+    try:
+        large()  # needs 1.25 x kept, and 0.5 x kept is free beside the pool's
+        torch.cuda.synchronize()
+    finally:
+        del filler
+    first = dq.clone()
+    large()
+    assert torch.isfinite(first).all()
+    torch.testing.assert_close(first, dq, rtol=1e-2, atol=1e-2)
+
+
 GRAPH_LENGTHS = [17, 0, 300, 129]  # the packed batch of the graph tests
 
 

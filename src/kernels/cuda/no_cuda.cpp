@@ -30,5 +30,6 @@ void upload(const void*, size_t, void*, int, void*) { no_cuda("upload"); }
 bool capturing(int, void*) { return false; }
 void* allocate(int, size_t, void*) { no_cuda("Workspace"); }
 void release(int, void*, void*) noexcept {}
+void release_unused() {}
 
 }  // namespace ringflash::cuda

@@ -159,14 +159,16 @@ __global__ void upload_kernel(const UploadChunk chunk, unsigned char* dst, unsig
   for (unsigned i = threadIdx.x; i < n; i += blockDim.x) dst[i] = chunk.bytes[i];
 }
 
-// A pool per device that keeps freed memory for the next call.
+// A pool per device that keeps freed memory for the next call; pools() holds them, created on first
+// use.
+constexpr int kMaxDevices = 64;
+std::mutex pools_mutex;
+cudaMemPool_t pools[kMaxDevices] = {};
+
 cudaMemPool_t pool(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::mutex mutex;
-  static cudaMemPool_t pools[kMaxDevices] = {};
   RINGFLASH_CHECK(device >= 0 && device < kMaxDevices, InvalidArgument, "[Workspace] CUDA device index must be in [0, ",
                   kMaxDevices, "), got ", device);
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(pools_mutex);
   if (!pools[device]) {
     cudaMemPoolProps props = {};
     props.allocType = cudaMemAllocationTypePinned;
@@ -177,6 +179,15 @@ cudaMemPool_t pool(int device) {
     RINGFLASH_CUDA_CHECK(cudaMemPoolSetAttribute(pools[device], cudaMemPoolAttrReleaseThreshold, &keep));
   }
   return pools[device];
+}
+
+// Gives the memory that the device's pool keeps unused back to the device. The device is
+// synchronised first: a block freed stream-ordered counts as in use until the host has seen its
+// free complete.
+void trim(int device) {
+  DeviceGuard guard(device);
+  RINGFLASH_CUDA_CHECK(cudaDeviceSynchronize());
+  RINGFLASH_CUDA_CHECK(cudaMemPoolTrimTo(pool(device), 0));
 }
 
 }  // namespace
@@ -224,14 +235,48 @@ bool capturing(int device, void* stream) {
 }
 
 // Outside capture from ringflash's pool; while capturing, from the device's default pool, whose
-// allocations a graph records as memory nodes.
+// allocations a graph records as memory nodes. When the pool cannot grow, it gives back what it
+// keeps unused and tries once more, so that memory held from an earlier, larger call does not make
+// this one fail.
 void* allocate(int device, size_t bytes, void* stream) {
   DeviceGuard guard(device);
   void* data = nullptr;
   const auto s = static_cast<cudaStream_t>(stream);
-  if (capturing(device, stream)) RINGFLASH_CUDA_CHECK(cudaMallocAsync(&data, bytes, s));
-  else RINGFLASH_CUDA_CHECK(cudaMallocFromPoolAsync(&data, bytes, pool(device), s));
+  if (capturing(device, stream)) {
+    RINGFLASH_CUDA_CHECK(cudaMallocAsync(&data, bytes, s));
+    return data;
+  }
+  cudaError_t rc = cudaMallocFromPoolAsync(&data, bytes, pool(device), s);
+  if (rc == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();  // not sticky: clear it, then retry after the trim
+    trim(device);
+    rc = cudaMallocFromPoolAsync(&data, bytes, pool(device), s);
+  }
+  if (rc == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    size_t free = 0, total = 0;
+    RINGFLASH_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    throw DeviceError(core::str_cat("[Workspace] out of memory on CUDA device ", device, ": needs ", bytes,
+                                    " bytes, ", free, " of ", total, " free (ringflash's pool keeps none unused)"));
+  }
+  RINGFLASH_CUDA_CHECK(rc);
   return data;
+}
+
+void release_unused() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  for (int device = 0; device < std::min(count, kMaxDevices); ++device) {
+    bool made;
+    {
+      std::lock_guard<std::mutex> lock(pools_mutex);
+      made = pools[device] != nullptr;
+    }
+    if (made) trim(device);
+  }
 }
 
 void release(int device, void* data, void* stream) noexcept {
