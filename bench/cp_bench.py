@@ -190,9 +190,11 @@ def make_inputs(seqlen, heads, heads_kv, hdim, seed, device):
     return [t.requires_grad_(i < 3) for i, t in enumerate(tensors)]
 
 
-def shard(inputs, positions):
-    """This rank's rows of each input, as new leaves: (1, S, H, D) -> (1, S_local, H, D)."""
-    return [t.detach()[:, positions].requires_grad_(i < 3) for i, t in enumerate(inputs)]
+def shard(inputs, positions, device=None):
+    """This rank's rows of each input, as new leaves on `device` (default: the input's):
+    (1, S, H, D) -> (1, S_local, H, D)."""
+    return [t.detach()[:, positions.to(t.device)].to(device or t.device).requires_grad_(i < 3)
+            for i, t in enumerate(inputs)]
 
 
 def guarded(ranks, fn):
@@ -225,7 +227,7 @@ def rel_diffs(attend, shards, single, positions):
     this rank's rows."""
     diffs = {}
     for name, a, b in zip(RESULT_NAMES, results_of(attend, *shards), single):
-        diff, scale = max_abs_diff_and_max(a, b[:, positions])
+        diff, scale = max_abs_diff_and_max(a, b[:, positions.to(b.device)].to(a.device))
         diff = diff / scale if scale > 0 else diff
         diffs[name] = diff if math.isfinite(diff) else float("inf")
     return diffs
@@ -257,9 +259,14 @@ def run_shape(args, ranks, groups, seqlen, heads_kv):
     single_results, single_error = None, None
     if not args.no_check:
         single_results, single_error = guarded(ranks, lambda: results_of(single, *sets[0]))
-    # The one-GPU call's workspace stays in ringflash's pool, and torch's cache is not there to
-    # take it: give it back before the P-GPU calls (at 1M tokens it is the fp32 dQ of the whole
-    # sequence, 16 GiB).
+    # While the P-GPU calls run, the whole sequence's inputs and one-GPU results wait in host
+    # memory, and the one-GPU call's workspace leaves ringflash's pool (torch's cache is not there
+    # to take it). At 1M tokens they are 40 GiB and 16 GiB (the fp32 dQ) on every GPU, beside
+    # which ulysses' 24 GiB workspace did not fit on an 80 GB H100.
+    sets = [[t.detach().cpu() for t in s] for s in sets]
+    if single_results is not None:
+        single_results = [r.cpu() for r in single_results]
+    torch.cuda.empty_cache()
     ringflash.empty_cache()
 
     rows = []
@@ -271,8 +278,8 @@ def run_shape(args, ranks, groups, seqlen, heads_kv):
         def attend(q, k, v, strategy=strategy, group=group):
             return parallel_attention(q, k, v, strategy, group, causal=True)
 
-        positions = shard_positions(seqlen, strategy, group, device=device).to(device)
-        shard_sets = [shard(s, positions) for s in sets]
+        positions = shard_positions(seqlen, strategy, group)
+        shard_sets = [shard(s, positions, device) for s in sets]
         base = dict(strategy=name, world=ranks.world, seqlen=seqlen, heads=heads, heads_kv=heads_kv, hdim=hdim,
                     causal=True, dtype="bf16", batch=BATCH)
         if degree is not None:

@@ -37,6 +37,16 @@ def test_the_check_compares_a_few_heads_at_a_time():
     assert scale == b.float().abs().max().item()
 
 
+def test_a_shard_is_new_leaves_of_its_rows():
+    import torch
+    inputs = [torch.arange(12.0).reshape(1, 6, 1, 2).requires_grad_(i < 3) for i in range(4)]
+    positions = torch.tensor([4, 1, 5])
+    shards = cp_bench.shard(inputs, positions, "cpu")
+    assert [s.requires_grad for s in shards] == [True, True, True, False]
+    assert all(s.is_leaf for s in shards)
+    assert shards[3][0, :, 0, 0].tolist() == [8.0, 2.0, 10.0]
+
+
 def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():
     import cp_profile
 
