@@ -159,8 +159,7 @@ __global__ void upload_kernel(const UploadChunk chunk, unsigned char* dst, unsig
   for (unsigned i = threadIdx.x; i < n; i += blockDim.x) dst[i] = chunk.bytes[i];
 }
 
-// A pool per device that keeps freed memory for the next call; pools() holds them, created on first
-// use.
+// A pool per device that keeps freed memory for the next call, made on first use.
 constexpr int kMaxDevices = 64;
 std::mutex pools_mutex;
 cudaMemPool_t pools[kMaxDevices] = {};
