@@ -39,6 +39,10 @@ def _entry(rank, world_size, init_file, result_dir, body, args, env, backend="gl
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # Every rank is done connecting before any body runs: a rank whose body returns at once would
+    # otherwise leave (closing its connections) while a slower rank still connects to it, whose
+    # init then fails.
+    dist.barrier()
     if not hard_exit:
         try:
             _write_result(result_dir, rank, body(rank, world_size, *args))
