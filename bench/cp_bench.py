@@ -135,10 +135,14 @@ class Ranks:
 
     def gather(self, value: float):
         """value of every rank, in rank order."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        return [values[0] for values in self.gather_list([value])]
+
+    def gather_list(self, values):
+        """The list of floats `values` of every rank (each as long), in rank order."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         out = [torch.zeros_like(t) for _ in range(self.world)]
         dist.all_gather(out, t)
-        return [x.item() for x in out]
+        return [x.tolist() for x in out]
 
     def barrier(self):
         dist.barrier()

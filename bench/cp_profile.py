@@ -7,9 +7,10 @@ The setting is cp_bench.py's (causal, batch 1, 32 query heads, hdim 128, bf16). 
 one GPU (t1: flash_attn_func on the whole sequence) and on P (tP: parallel_attention on this
 rank's shard), per pass:
 
-  sync  median ms of the call between CUDA events, a synchronize after it, with a barrier of all
-        ranks before it (cp_bench and the peer time calls back to back, without the barrier: at
-        zigzag 32k that measured about 1.5 ms more on 2 x H100);
+  b2b   cp_bench's and the peer's timing: the calls back to back, without a barrier, each between
+        CUDA events and a synchronize; skew: the median over those calls of the spread of the
+        ranks' host clocks at the call's start (one host, so the clocks are the same);
+  sync  the same with a barrier of all ranks before each call;
   busy  the same, with the GPU held by a sleep kernel while the host enqueues the call, so that
         only the GPU's own time counts (sync - busy: the host's exposed share);
   host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
@@ -17,7 +18,10 @@ rank's shard), per pass:
 Then one forward+backward of each under torch.profiler on --trace-rank, its GPU work summed by
 kind: attention kernels, NCCL kernels, copies (copy engines), memsets, other kernels (fills, adds,
 dsum, dQ conversion), with the span from the first start to the last end and the time inside the
-span when nothing ran. Rank 0 prints the tables and writes DIR/cp_profile.json.
+span when nothing ran. That idle time is split by what the GPU waited for (host_waits): the host,
+where the activity that ended a gap was launched after the gap began, and otherwise another
+stream or rank (an event, NCCL); "start" is the time from the call's start on the host to the
+first GPU activity. Rank 0 prints the tables and writes DIR/cp_profile.json.
 """
 
 import argparse
@@ -29,7 +33,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import ringflash
 from ringflash.parallel import parallel_attention, shard_positions
@@ -38,6 +42,8 @@ from cp_bench import PASSES, Ranks, make_inputs, name_list, pass_fn, shard
 
 SLEEP_CYCLES = 200_000_000  # about 0.1 s at Hopper's clocks: longer than any enqueue measured here
 KINDS = ("attention", "nccl", "copy", "memset", "other")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+CALL_MARKER = "cp_profile_call"
 
 
 def parse_args(argv=None):
@@ -62,10 +68,21 @@ def parse_args(argv=None):
 
 
 def timings(fn, inputs, ranks, warmup, iters):
-    """Median (sync ms, busy ms, host ms) of fn over the input sets, every rank at the same time."""
+    """Median (b2b ms, skew ms, sync ms, busy ms, host ms) of fn over the input sets, every rank at
+    the same time."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
-    sync, busy, host = [], [], []
+    b2b, starts, sync, busy, host = [], [], [], [], []
+    ranks.barrier()
+    for i in range(iters):  # as cp_bench.time_ms
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        starts.append(time.time_ns() / 1e6)
+        start.record()
+        fn(*inputs[i % len(inputs)])
+        end.record()
+        torch.cuda.synchronize()
+        b2b.append(start.elapsed_time(end))
+    spread = [max(t) - min(t) for t in zip(*(ranks.gather_list(starts)))]
     for i in range(iters):
         args = inputs[i % len(inputs)]
         ranks.barrier()
@@ -84,7 +101,7 @@ def timings(fn, inputs, ranks, warmup, iters):
         end.record()
         torch.cuda.synchronize()
         busy.append(start.elapsed_time(end))
-    return statistics.median(sync), statistics.median(busy), statistics.median(host)
+    return tuple(statistics.median(x) for x in (b2b, spread, sync, busy, host))
 
 
 def kind_of(name):
@@ -112,7 +129,7 @@ def summarize(events):
     name), in order of start."""
     intervals, sums, activities = [], dict.fromkeys(KINDS, 0.0), []
     for e in events:
-        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not e.get("dur"):
+        if e.get("cat") not in GPU_CATS or not e.get("dur"):
             continue
         start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
         intervals.append((start, end))
@@ -136,15 +153,51 @@ def summarize(events):
     return dict(sums, span=span / 1e3, idle=(span - busy) / 1e3, activities=activities)
 
 
+GAP_US = 2.0  # idle time shorter than this between two activities is the GPU's own
+
+
+def host_waits(events, marker=CALL_MARKER):
+    """Where the GPU waited inside the span of a chrome trace's GPU activities: ms from the start of
+    the `marker` annotation (the call on the host) to the first activity ("start"), ms of gaps that
+    ended with an activity whose launch returned on the host after the gap began ("host"), ms of
+    the other gaps ("other": an event of another stream, another rank), and each gap (start ms from
+    the first activity, ms, "host" or "other", the name of the activity that ended it)."""
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                 if e.get("cat") in GPU_CATS and e.get("dur"))
+    calls = [float(e["ts"]) for e in events if e.get("name") == marker]
+    result = dict(start=0.0, host=0.0, other=0.0, gaps=[])
+    if not gpu:
+        return result
+    first = gpu[0][0]
+    if calls:
+        result["start"] = (first - calls[0]) / 1e3
+    busy_end = gpu[0][1]
+    for start, end, e in gpu[1:]:
+        if start > busy_end + GAP_US:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            kind = "host" if launch and float(launch["ts"]) + float(launch.get("dur", 0)) > busy_end else "other"
+            gap = (start - busy_end) / 1e3
+            result[kind] += gap
+            result["gaps"].append((round((busy_end - first) / 1e3, 3), round(gap, 3), kind,
+                                   short_name(e.get("name", ""))))
+        busy_end = max(busy_end, end)
+    return result
+
+
 def gpu_profile(fn, args, trace_path):
-    """summarize() of one call of fn under torch.profiler (its trace written to trace_path)."""
+    """summarize() and host_waits() of one call of fn under torch.profiler (its trace written to
+    trace_path)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn(*args)
+        with record_function(CALL_MARKER):
+            fn(*args)
         torch.cuda.synchronize()
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as f:
-        return summarize(json.load(f)["traceEvents"])
+        events = json.load(f)["traceEvents"]
+    return dict(summarize(events), waits=host_waits(events))
 
 
 def main(argv=None):
@@ -167,9 +220,9 @@ def main(argv=None):
         for pass_name in args.passes:
             for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
                 fn = pass_fn(attend, pass_name)
-                sync, busy, host = timings(fn, inputs, ranks, args.warmup, args.iters)
-                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world,
-                           sync_ms=max(ranks.gather(sync)), busy_ms=max(ranks.gather(busy)),
+                b2b, skew, sync, busy, host = timings(fn, inputs, ranks, args.warmup, args.iters)
+                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, b2b_ms=max(ranks.gather(b2b)),
+                           skew_ms=skew, sync_ms=max(ranks.gather(sync)), busy_ms=max(ranks.gather(busy)),
                            host_ms=max(ranks.gather(host)))
                 ranks.barrier()
                 if ranks.rank == args.trace_rank:
@@ -196,13 +249,16 @@ def main(argv=None):
             json.dump(dict(strategy=args.strategy, seqlen=args.seqlen, world=ranks.world, rows=rows), f, indent=1)
         print(f"\n### cp_profile: {args.strategy}, S {args.seqlen}, {ranks.world} x "
               f"{torch.cuda.get_device_name(device)}; ms; the profile is rank {args.trace_rank}'s")
-        print(f"{'hkv':>4} {'pass':>7} {'P':>2} | {'sync':>7} {'busy':>7} {'host':>6} | "
-              + " ".join(f"{k:>9}" for k in KINDS) + f" | {'span':>7} {'idle':>6}")
+        print(f"{'hkv':>4} {'pass':>7} {'P':>2} | {'b2b':>7} {'skew':>5} {'sync':>7} {'busy':>7} {'host':>6} | "
+              + " ".join(f"{k:>9}" for k in KINDS) + f" | {'span':>7} {'idle':>6} | {'start':>6} {'w.host':>6} "
+              f"{'w.other':>7}")
         for r in rows:
-            p = r["profile"]
-            print(f"{r['heads_kv']:>4} {r['pass_name']:>7} {r['world']:>2} | {r['sync_ms']:7.2f} {r['busy_ms']:7.2f} "
-                  f"{r['host_ms']:6.2f} | " + " ".join(f"{p[k]:9.2f}" for k in KINDS)
-                  + f" | {p['span']:7.2f} {p['idle']:6.2f}", flush=True)
+            p, w = r["profile"], r["profile"]["waits"]
+            print(f"{r['heads_kv']:>4} {r['pass_name']:>7} {r['world']:>2} | {r['b2b_ms']:7.2f} {r['skew_ms']:5.2f} "
+                  f"{r['sync_ms']:7.2f} {r['busy_ms']:7.2f} {r['host_ms']:6.2f} | "
+                  + " ".join(f"{p[k]:9.2f}" for k in KINDS)
+                  + f" | {p['span']:7.2f} {p['idle']:6.2f} | {w['start']:6.2f} {w['host']:6.2f} {w['other']:7.2f}",
+                  flush=True)
         for r in rows if args.timeline else []:
             if r["world"] == 1:
                 continue
@@ -210,6 +266,9 @@ def main(argv=None):
                   "start ms, ms, stream, kind, name")
             for start, ms, stream, kind, name in r["profile"]["activities"]:
                 print(f"{start:8.3f} {ms:7.3f} {str(stream):>6} {kind:>9} {name}")
+            print("gaps: start ms, ms, waited for, the activity that ended it")
+            for start, ms, kind, name in r["profile"]["waits"]["gaps"]:
+                print(f"{start:8.3f} {ms:7.3f} {kind:>6} {name}")
     dist.destroy_process_group()
     return 0
 

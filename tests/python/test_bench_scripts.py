@@ -67,6 +67,29 @@ def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():
     assert cp_profile.summarize([])["span"] == 0.0
 
 
+def test_a_profile_splits_the_gpus_idle_time_by_what_it_waited_for():
+    import cp_profile
+
+    def gpu(name, ts, dur, correlation):
+        return dict(cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=correlation))
+
+    def launch(ts, dur, correlation):
+        return dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=dur, args=dict(correlation=correlation))
+
+    events = [
+        dict(cat="user_annotation", name=cp_profile.CALL_MARKER, ts=0.0, dur=900.0),
+        launch(40.0, 5.0, 1), gpu("void a_kernel<int>(int)", 50.0, 100.0, 1),
+        launch(60.0, 5.0, 2), gpu("b_kernel", 200.0, 100.0, 2),  # launched long before: waited on another stream
+        launch(340.0, 10.0, 3), gpu("c_kernel", 360.0, 40.0, 3),  # launched after b ended: waited on the host
+        launch(350.0, 5.0, 4), gpu("d_kernel", 401.0, 10.0, 4),  # 1 us apart: the GPU's own
+    ]
+    w = cp_profile.host_waits(events)
+    assert w["start"] == pytest.approx(0.05)
+    assert w["other"] == pytest.approx(0.05) and w["host"] == pytest.approx(0.06)
+    assert w["gaps"] == [(0.1, 0.05, "other", "b_kernel"), (0.25, 0.06, "host", "c_kernel")]
+    assert cp_profile.host_waits([])["gaps"] == []
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_zigzag_step_calls_cover_every_causal_pair_once_per_pass(world):
     """bench/zigzag_steps_bench.py's plan of a rank's kernel calls: under each call's offsets (the
