@@ -14,6 +14,7 @@ rank's shard), per pass:
   busy  the same, with the GPU held by a sleep kernel while the host enqueues the call, so that
         only the GPU's own time counts (sync - busy: the host's exposed share);
   host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
+Each is the largest over the ranks; every rank's is printed below the table and kept in the JSON.
 
 Then one forward+backward of each under torch.profiler on --trace-rank, its GPU work summed by
 kind: attention kernels, NCCL kernels, copies (copy engines), memsets, other kernels (fills, adds,
@@ -221,9 +222,10 @@ def main(argv=None):
             for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
                 fn = pass_fn(attend, pass_name)
                 b2b, skew, sync, busy, host = timings(fn, inputs, ranks, args.warmup, args.iters)
-                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, b2b_ms=max(ranks.gather(b2b)),
-                           skew_ms=skew, sync_ms=max(ranks.gather(sync)), busy_ms=max(ranks.gather(busy)),
-                           host_ms=max(ranks.gather(host)))
+                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, skew_ms=skew)
+                for name, value in (("b2b", b2b), ("sync", sync), ("busy", busy), ("host", host)):
+                    row[f"{name}_ranks"] = ranks.gather(value)
+                    row[f"{name}_ms"] = max(row[f"{name}_ranks"])
                 ranks.barrier()
                 if ranks.rank == args.trace_rank:
                     trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}.json")
@@ -259,6 +261,10 @@ def main(argv=None):
                   + " ".join(f"{p[k]:9.2f}" for k in KINDS)
                   + f" | {p['span']:7.2f} {p['idle']:6.2f} | {w['start']:6.2f} {w['host']:6.2f} {w['other']:7.2f}",
                   flush=True)
+        print("\nper rank (ms): " + "; ".join(
+            f"hkv {r['heads_kv']} {r['pass_name']} P {r['world']}: "
+            + ", ".join(f"{n} " + "/".join(f"{x:.2f}" for x in r[f"{n}_ranks"]) for n in ("b2b", "sync", "busy"))
+            for r in rows if r["world"] > 1))
         for r in rows if args.timeline else []:
             if r["world"] == 1:
                 continue
