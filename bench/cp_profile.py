@@ -70,11 +70,13 @@ def parse_args(argv=None):
 
 def timings(fn, inputs, ranks, warmup, iters):
     """Median (b2b ms, skew ms, sync ms, busy ms, host ms) of fn over the input sets, every rank at
-    the same time."""
+    the same time, and the host's clock (s since the epoch) where the b2b calls began, where they
+    ended and where the sync and busy calls ended."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     b2b, starts, sync, busy, host = [], [], [], [], []
     ranks.barrier()
+    phases = [time.time()]
     for i in range(iters):  # as cp_bench.time_ms
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         starts.append(time.time_ns() / 1e6)
@@ -83,6 +85,7 @@ def timings(fn, inputs, ranks, warmup, iters):
         end.record()
         torch.cuda.synchronize()
         b2b.append(start.elapsed_time(end))
+    phases.append(time.time())
     spread = [max(t) - min(t) for t in zip(*(ranks.gather_list(starts)))]
     for i in range(iters):
         args = inputs[i % len(inputs)]
@@ -102,7 +105,8 @@ def timings(fn, inputs, ranks, warmup, iters):
         end.record()
         torch.cuda.synchronize()
         busy.append(start.elapsed_time(end))
-    return tuple(statistics.median(x) for x in (b2b, spread, sync, busy, host))
+    phases.append(time.time())
+    return (*(statistics.median(x) for x in (b2b, spread, sync, busy, host)), phases)
 
 
 def kind_of(name):
@@ -221,8 +225,8 @@ def main(argv=None):
         for pass_name in args.passes:
             for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
                 fn = pass_fn(attend, pass_name)
-                b2b, skew, sync, busy, host = timings(fn, inputs, ranks, args.warmup, args.iters)
-                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, skew_ms=skew)
+                b2b, skew, sync, busy, host, phases = timings(fn, inputs, ranks, args.warmup, args.iters)
+                row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, skew_ms=skew, phases=phases)
                 for name, value in (("b2b", b2b), ("sync", sync), ("busy", busy), ("host", host)):
                     row[f"{name}_ranks"] = ranks.gather(value)
                     row[f"{name}_ms"] = max(row[f"{name}_ranks"])
