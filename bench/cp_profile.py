@@ -1,7 +1,8 @@
 """Where the time of a sequence-parallel call goes on P GPUs, beside the same call on one GPU.
 
     torchrun --nproc_per_node=P bench/cp_profile.py [--strategy zigzag] [--seqlen 32768]
-        [--heads-kv 32] [--passes fwd,fwd_bwd] [-w 3] [-n 10] [--trace-rank 1] [--out DIR]
+        [--heads-kv 32] [--passes fwd,fwd_bwd] [-w 3] [-n 10] [--trace-rank 1] [--trace-all]
+        [--profile-calls 1] [--out DIR]
 
 The setting is cp_bench.py's (causal, batch 1, 32 query heads, hdim 128, bf16). For ringflash on
 one GPU (t1: flash_attn_func on the whole sequence) and on P (tP: parallel_attention on this
@@ -16,7 +17,8 @@ rank's shard), per pass:
   host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
 Each is the largest over the ranks; every rank's is printed below the table and kept in the JSON.
 
-Then one forward+backward of each under torch.profiler on --trace-rank, its GPU work summed by
+Then one call of each (--profile-calls N: N back to back) under torch.profiler on --trace-rank
+(--trace-all: every rank writes a trace, whose clocks are the host's), its GPU work summed by
 kind: attention kernels, NCCL kernels, copies (copy engines), memsets, other kernels (fills, adds,
 dsum, dQ conversion), with the span from the first start to the last end and the time inside the
 span when nothing ran. That idle time is split by what the GPU waited for (host_waits): the host,
@@ -59,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("--trace-rank", type=int, default=1, help="the rank whose GPU work is profiled")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile-calls", type=int, default=1,
+                   help="calls profiled back to back (the summary covers all of them)")
+    p.add_argument("--trace-all", action="store_true",
+                   help="every rank writes a trace of the profiled calls (the summary stays --trace-rank's)")
     p.add_argument("--timeline", action="store_true",
                    help="also print every GPU activity of the profiled P-GPU calls, in order of start")
     args = p.parse_args(argv)
@@ -191,14 +197,15 @@ def host_waits(events, marker=CALL_MARKER):
     return result
 
 
-def gpu_profile(fn, args, trace_path):
-    """summarize() and host_waits() of one call of fn under torch.profiler (its trace written to
-    trace_path)."""
+def gpu_profile(fn, inputs, trace_path, calls=1):
+    """summarize() and host_waits() of `calls` calls of fn under torch.profiler, back to back with a
+    synchronize after each, as cp_bench times them (its trace written to trace_path)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function(CALL_MARKER):
-            fn(*args)
-        torch.cuda.synchronize()
+        for i in range(calls):
+            with record_function(CALL_MARKER):
+                fn(*inputs[i % len(inputs)])
+            torch.cuda.synchronize()
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
@@ -231,12 +238,15 @@ def main(argv=None):
                     row[f"{name}_ranks"] = ranks.gather(value)
                     row[f"{name}_ms"] = max(row[f"{name}_ranks"])
                 ranks.barrier()
-                if ranks.rank == args.trace_rank:
-                    trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}.json")
-                    row["profile"] = gpu_profile(fn, inputs[0], trace)
-                else:  # the other ranks take part in the same call
-                    fn(*inputs[0])
-                    torch.cuda.synchronize()
+                if args.trace_all or ranks.rank == args.trace_rank:
+                    trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}_rank{ranks.rank}.json")
+                    profiled = gpu_profile(fn, inputs, trace, args.profile_calls)
+                    if ranks.rank == args.trace_rank:
+                        row["profile"] = profiled
+                else:  # the other ranks take part in the same calls
+                    for i in range(args.profile_calls):
+                        fn(*inputs[i % len(inputs)])
+                        torch.cuda.synchronize()
                 ranks.barrier()
                 rows.append(row)
         del sets, shard_sets
