@@ -7,9 +7,9 @@
 // dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
 // after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
 // to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
-// step s computes. The backward splits its own block by key rows: the first half at step 0 (under
-// the first K/V transfer), the second after the last step (under the last hop, which would
-// otherwise run alone). With a window, the ring stops after the last step any rank needs, so
+// step s computes. The backward splits its own block in two halves of its K/V heads (of its key
+// rows with one K/V head): the first at step 0 (under the first K/V transfer), the second after
+// the last step (under the last hop, which would otherwise run alone). With a window, the ring stops after the last step any rank needs, so
 // farther transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
@@ -300,17 +300,17 @@ class Ring {
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
     unsigned char* block = workspace_.data() + block_at;
 
-    // This rank's own block in two halves of its key rows when the ring goes on: one now, the
-    // other while the last hop travels.
-    const int64_t split = steps_ > 1 ? geo_.rows[rank_] / 2 : geo_.rows[rank_];
-    const Block halves[2] = {{0, split}, {split, geo_.rows[rank_] - split}};
-    const std::vector<Call> own_calls[2] = {calls(rank_, halves[0]), calls(rank_, halves[1])};
+    // This rank's own block in two halves when the ring goes on: one now, the other while the
+    // last hop travels. Halves of its K/V heads (each half's calls are the whole block's, with
+    // blocks as long), or of its key rows when it has one K/V head.
+    const Part halves[2] = {own_half(0), own_half(1)};
+    const std::vector<Call> own_calls[2] = {calls(rank_, halves[0].keys), calls(rank_, halves[1].keys)};
     const bool own_written[2] = {prepare_grads(own_calls[0], own, rank_, halves[0]),
                                  prepare_grads(own_calls[1], own, rank_, halves[1])};
     const auto own_part = [&](int half) {
       const KeyValues grads = grad_views(own, rank_);
       for (const Call& c : own_calls[half])
-        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written[half]);
+        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written[half], halves[half].heads);
     };
 
     prepare_travel();
@@ -330,8 +330,9 @@ class Ring {
       // Step 1's partial travels on even if no pair reached it; a later step's block that no pair
       // reached is simply not added.
       const bool written =
-          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {0, geo_.rows[src]});
-      for (const Call& c : step_calls) backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written);
+          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {{0, geo_.rows[src]}, all_heads()});
+      for (const Call& c : step_calls)
+        backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written, all_heads());
       if (s > 1) {
         grads_in->wait();
         const int64_t n = 2 * rows_elements(src);
@@ -369,26 +370,65 @@ class Ring {
   int next() const { return (rank_ + 1) % world_; }
   int prev() const { return (rank_ - 1 + world_) % world_; }
 
-  // Readies rows `keys` of the fp32 dK/dV of `rank`'s block at `grads` for `calls`. When their
-  // key blocks are disjoint: zeros in the rows that none of them covers, and true (the calls write
-  // their own rows, overwrite_dkdv). Otherwise: zeros in all of them, and false (the calls add).
-  bool prepare_grads(const std::vector<Call>& calls, unsigned char* grads, int rank, const Block& keys) const {
-    const std::optional<std::vector<Block>> gaps = uncovered(calls, keys);
+  // K/V heads [first, first + count), and the query heads that attend to them.
+  struct Heads {
+    int64_t first, count;
+  };
+  Heads all_heads() const { return {0, p_.heads_kv}; }
+
+  // Key rows and K/V heads of a block.
+  struct Part {
+    Block keys;
+    Heads heads;
+  };
+
+  // Half `half` of this rank's own block (all of it at half 0 when the ring has one step).
+  Part own_half(int half) const {
+    const Block keys{0, geo_.rows[rank_]};
+    if (steps_ == 1) return half == 0 ? Part{keys, all_heads()} : Part{keys, {0, 0}};
+    if (p_.heads_kv > 1) {
+      const int64_t split = p_.heads_kv / 2;
+      return {keys, half == 0 ? Heads{0, split} : Heads{split, p_.heads_kv - split}};
+    }
+    const int64_t split = keys.count / 2;
+    return {half == 0 ? Block{0, split} : Block{split, keys.count - split}, all_heads()};
+  }
+
+  // Heads `h` of a (B, rows, H, D) tensor of K/V heads, or of query heads.
+  static TensorView kv_heads(const TensorView& t, const Heads& h) { return narrow(t, 2, h.first, h.count); }
+  TensorView q_heads(const TensorView& t, const Heads& h) const {
+    const int64_t group = p_.heads_q / p_.heads_kv;
+    return narrow(t, 2, h.first * group, h.count * group);
+  }
+
+  // Readies the rows and heads of `part` of the fp32 dK/dV of `rank`'s block at `grads` for
+  // `calls`. When their key blocks are disjoint: zeros in the rows that none of them covers, and
+  // true (the calls write their own rows, overwrite_dkdv). Otherwise: zeros in all of them, and
+  // false (the calls add).
+  bool prepare_grads(const std::vector<Call>& calls, unsigned char* grads, int rank, const Part& part) const {
+    const std::optional<std::vector<Block>> gaps = uncovered(calls, part.keys);
     const KeyValues views = grad_views(grads, rank);
-    for (const Block& zeros : gaps ? *gaps : std::vector<Block>{keys})
+    for (const Block& zeros : gaps ? *gaps : std::vector<Block>{part.keys})
       for (const TensorView& t : {views.k, views.v})
-        if (zeros.count > 0) kernels::fill(rows(t, zeros), 0.0f, stream_);
+        if (zeros.count > 0 && part.heads.count > 0) kernels::fill(kv_heads(rows(t, zeros), part.heads), 0.0f, stream_);
     return gaps.has_value();
   }
 
-  // One backward call of a step: gradients added into dq_acc and into (or, where `overwrite`,
-  // written to) `grads`, the fp32 dK/dV of the step's K/V.
+  // One backward call of a step, on heads `h`: gradients added into dq_acc and into (or, where
+  // `overwrite`, written to) `grads`, the fp32 dK/dV of the step's K/V.
   void backward_call(const Call& c, const KeyValues& kv, const KeyValues& grads, const TensorView& dq_acc,
-                     const TensorView& out, const TensorView& dout, const TensorView& lse, bool overwrite) const {
+                     const TensorView& out, const TensorView& dout, const TensorView& lse, bool overwrite,
+                     const Heads& h) const {
+    if (h.count == 0) return;
     AttentionParams params = c.params;
     params.overwrite_dkdv = overwrite;
-    attention_backward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(out, c.q), rows(dout, c.q),
-                       lse_rows(lse, c.q), rows(dq_acc, c.q), rows(grads.k, c.k), rows(grads.v, c.k), params);
+    const int64_t group = p_.heads_q / p_.heads_kv;
+    if (params.alibi_slopes) params.alibi_slopes = narrow(*params.alibi_slopes, -1, h.first * group, h.count * group);
+    const auto q_rows = [&](const TensorView& t) { return q_heads(rows(t, c.q), h); };
+    const auto k_rows = [&](const TensorView& t) { return kv_heads(rows(t, c.k), h); };
+    attention_backward(q_rows(q_), k_rows(kv.k), k_rows(kv.v), q_rows(out), q_rows(dout),
+                       narrow(lse_rows(lse, c.q), 1, h.first * group, h.count * group), q_rows(dq_acc),
+                       k_rows(grads.k), k_rows(grads.v), params);
   }
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
