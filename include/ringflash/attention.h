@@ -62,6 +62,10 @@ struct AttentionParams {
   // never read; dq is still added to). For the first of several calls into the same dK/dV, such as
   // a ring's first step over a block of keys, whose accumulators then need no zero fill.
   bool overwrite_dkdv = false;
+  // Forward in accumulate mode: out and lse are written as this block's own result (in fp32),
+  // never read. For the first of several calls into the same accumulator, such as a ring's first
+  // step, which then needs no fill.
+  bool overwrite_out = false;
 
   int num_threads = 0;     // CPU: threads to use; 0 means every core
   void* stream = nullptr;  // CUDA: the cudaStream_t to run on; ignored on CPU

@@ -260,6 +260,7 @@ class Validator {
     args_.v = operand(v_);
     args_.accumulate = p_.accumulate;
     args_.overwrite_dkdv = p_.overwrite_dkdv;
+    args_.overwrite_out = p_.overwrite_out;
     args_.deterministic = p_.deterministic;
     args_.out_dtype = args_.grad_dtype = p_.accumulate ? DType::kFloat32 : q_.dtype();
     args_.num_threads = core::resolve_threads(p_.num_threads);
@@ -285,6 +286,9 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                        const TensorView& lse, const AttentionParams& params) {
   using Rule = Validator::DTypeRule;
   Validator check("attention_forward", q, k, v, params);
+  RINGFLASH_CHECK(!params.overwrite_out || params.accumulate, InvalidArgument,
+                  "[attention_forward] overwrite_out needs accumulate mode (it writes fp32 out and lse), got "
+                  "accumulate=false");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kAccumulate);
   check.check_lse(lse, args);
@@ -304,6 +308,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   RINGFLASH_CHECK(!params.overwrite_dkdv || params.accumulate, InvalidArgument,
                   "[attention_backward] overwrite_dkdv needs accumulate mode (it writes fp32 dk and dv), got "
                   "accumulate=false");
+  RINGFLASH_CHECK(!params.overwrite_out, InvalidArgument,
+                  "[attention_backward] overwrite_out is an option of the forward, got overwrite_out=true");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kSameOrFp32);
   args.out_dtype = out.dtype();

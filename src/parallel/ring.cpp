@@ -3,13 +3,14 @@
 // At step s rank r holds the K/V of rank (r - s) mod P and runs the single-device kernel, in
 // accumulate mode, on every pair (query piece of r, key piece of that rank) that the mask does
 // not leave empty, in one call for all of them where one call sees what the pairs see. Forward
-// merges into fp32 (out, lse); backward adds into fp32 dq (local), into this rank's own fp32
-// dK/dV, and into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank
-// after its K/V's home, travels with the K/V, and its last hop lands at home, where it is added
-// to that rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before
-// step s computes. The backward splits its own block in two halves of its K/V heads (of its key
-// rows with one K/V head): the first at step 0 (under the first K/V transfer), the second after
-// the last step (under the last hop, which would otherwise run alone). With a window, the ring stops after the last step any rank needs, so
+// merges into fp32 (out, lse), which the first step writes (overwrite_out); backward adds into
+// fp32 dq (local), into this rank's own fp32 dK/dV, and into fp32 dK/dV partial sums for the
+// other ranks' K/V: a partial starts on the rank after its K/V's home, travels with the K/V, and
+// its last hop lands at home, where it is added to that rank's own (P - 1 hops, as the K/V make).
+// The transfer for step s + 1 is posted before step s computes. The backward splits its own block
+// in two halves of its K/V heads (of its key rows with one K/V head): the first at step 0 (under
+// the first K/V transfer), the second after the last step (under the last hop, which would
+// otherwise run alone). With a window, the ring stops after the last step any rank needs, so
 // farther transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
@@ -164,16 +165,16 @@ struct Call {
   AttentionParams params;
 };
 
-// When the calls' key blocks (within `rows`) are disjoint, the parts of `rows` that none of them
-// covers: each call can then write its rows of dK/dV instead of adding to them, and only those
-// parts need zeros. Nothing when two blocks overlap.
-std::optional<std::vector<Block>> uncovered(const std::vector<Call>& calls, const Block& rows) {
-  std::vector<Block> keys;
-  for (const Call& c : calls) keys.push_back(c.k);
-  std::sort(keys.begin(), keys.end(), [](const Block& a, const Block& b) { return a.row < b.row; });
+// When the calls' query or key blocks (`side`, within `rows`) are disjoint, the parts of `rows`
+// that none of them covers: each call can then write its rows of out/lse or dK/dV instead of
+// merging or adding into them, and only those parts need filling. Nothing when two blocks overlap.
+std::optional<std::vector<Block>> uncovered(const std::vector<Call>& calls, Block Call::*side, const Block& rows) {
+  std::vector<Block> blocks;
+  for (const Call& c : calls) blocks.push_back(c.*side);
+  std::sort(blocks.begin(), blocks.end(), [](const Block& a, const Block& b) { return a.row < b.row; });
   std::vector<Block> gaps;
   int64_t end = rows.row;
-  for (const Block& k : keys) {
+  for (const Block& k : blocks) {
     if (k.row < end) return std::nullopt;
     if (k.row > end) gaps.push_back({end, k.row - end});
     end = k.row + k.count;
@@ -257,17 +258,29 @@ class Ring {
     plan_travel(layout);
     workspace_ = kernels::Workspace(device_, layout.total(), stream_);
     const TensorView acc = own_acc ? contiguous_like(workspace_.data() + acc_at, DType::kFloat32, out) : out;
-    kernels::fill(acc, 0.0f, stream_);
-    kernels::fill(lse, -std::numeric_limits<float>::infinity(), stream_);
+    // Where the first step's query blocks are disjoint, its calls write the accumulator
+    // (overwrite_out) and only the rows that none covers start empty; otherwise every row does,
+    // and the calls merge into it.
+    const Block all{0, geo_.rows[rank_]};
+    const std::vector<Call> first = calls(source(0));
+    const std::optional<std::vector<Block>> gaps = uncovered(first, &Call::q, all);
+    for (const Block& empty : gaps ? *gaps : std::vector<Block>{all}) {
+      if (empty.count == 0) continue;
+      kernels::fill(rows(acc, empty), 0.0f, stream_);
+      kernels::fill(lse_rows(lse, empty), -std::numeric_limits<float>::infinity(), stream_);
+    }
 
     prepare_travel();
     for (int s = 0; s < steps_; ++s) {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      for (const Call& c : calls(src))
+      for (const Call& c : s == 0 ? first : calls(src)) {
+        AttentionParams params = c.params;
+        params.overwrite_out = s == 0 && gaps.has_value();
         attention_forward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(acc, c.q), lse_rows(lse, c.q),
-                          c.params);
+                          params);
+      }
       if (kv_in) kv_in->wait();
     }
     if (own_acc) kernels::copy(acc, out, stream_);
@@ -406,7 +419,7 @@ class Ring {
   // true (the calls write their own rows, overwrite_dkdv). Otherwise: zeros in all of them, and
   // false (the calls add).
   bool prepare_grads(const std::vector<Call>& calls, unsigned char* grads, int rank, const Part& part) const {
-    const std::optional<std::vector<Block>> gaps = uncovered(calls, part.keys);
+    const std::optional<std::vector<Block>> gaps = uncovered(calls, &Call::k, part.keys);
     const KeyValues views = grad_views(grads, rank);
     for (const Block& zeros : gaps ? *gaps : std::vector<Block>{part.keys})
       for (const TensorView& t : {views.k, views.v})

@@ -47,7 +47,9 @@ struct Options {
   bool masks_rows = false;  // by construction some query sees no key; the test asserts it
   bool fp32_out = false;    // backward: out is fp32 whatever the input dtype (a ring's merged out)
   bool overwrite_dkdv = false;  // backward with accumulate: dk and dv written, not added to
+  bool overwrite_out = false;   // forward with accumulate: the first call writes out and lse (from NaN)
   bool backward_only = false;
+  bool forward_only = false;
 };
 
 template <typename Fn>
@@ -176,6 +178,22 @@ inline const std::vector<Options>& all_options() {
         o.causal = true;
         o.backward_only = true;
       }),
+      make_options("accumulate_overwrite_out_causal_window", [](Options& o) {
+        o.accumulate = true;
+        o.overwrite_out = true;
+        o.causal = true;
+        o.window_left = 70;
+        o.forward_only = true;
+      }),
+      make_options("accumulate_overwrite_out_seq_offsets_strided", [](Options& o) {
+        o.accumulate = true;
+        o.overwrite_out = true;
+        o.positions = Positions::kPerSequence;
+        o.window_left = 50;
+        o.window_right = 20;
+        o.layout = Layout::kStrided;
+        o.forward_only = true;
+      }),
       make_options("accumulate_masked_rows", [](Options& o) {
         o.accumulate = true;
         o.positions = Positions::kScalar;
@@ -231,7 +249,8 @@ inline std::vector<KernelCase> shape_cases(Direction direction) {
 inline std::vector<KernelCase> option_cases(Direction direction) {
   std::vector<KernelCase> cases;
   for (const Options& options : all_options())
-    if (!(options.backward_only && direction == Direction::kForward))
+    if (!(options.backward_only && direction == Direction::kForward) &&
+        !(options.forward_only && direction == Direction::kBackward))
       for (DType dtype : test_dtypes())
         for (const Shape& shape : awkward_shapes())
           if (shape.every_option) cases.push_back({direction, dtype, shape, options});

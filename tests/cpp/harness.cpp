@@ -68,13 +68,14 @@ HostTensor packed_key_rows(const Problem& pb, const HostTensor& t, const std::ve
 }
 
 // Forward in accumulate mode over the keys [start, start + len) of every sequence, merged into
-// (out, lse).
+// (out, lse), or written to them with `overwrite`.
 bool forward_key_block(Problem& pb, const std::vector<int64_t>& start, const std::vector<int64_t>& len,
-                       const HostTensor& out, const HostTensor& lse) {
+                       const HostTensor& out, const HostTensor& lse, bool overwrite) {
   const Shape& s = pb.shape();
   const Options& o = pb.options();
   const int64_t n = s.num_seqs();
   AttentionParams p = pb.params();
+  p.overwrite_out = overwrite;
   // Queries keep the positions they have against all keys; the default bottom-right would move.
   std::vector<int32_t> q_seq(n), k_seq(n), cu_k;
   for (int64_t b = 0; b < n; ++b) {
@@ -132,19 +133,23 @@ void run_forward_case(const KernelCase& c) {
     return;
   }
 
-  // Accumulate mode: one call over all keys into an empty accumulator (out = 0, lse = -inf) ...
+  // Accumulate mode: one call over all keys into an empty accumulator (out = 0, lse = -inf), or
+  // with overwrite_out into one of NaN (every element must be written) ...
+  const double start_out = o.overwrite_out ? kNaN : 0.0, start_lse = o.overwrite_out ? kNaN : -kInf;
   {
-    const HostTensor out = pb.make_q_like(DType::kFloat32, hq, 0.0);
-    const HostTensor lse = pb.make_lse(-kInf);
+    const HostTensor out = pb.make_q_like(DType::kFloat32, hq, start_out);
+    const HostTensor lse = pb.make_lse(start_lse);
     const auto guards = guard_outside({&out, &lse});
-    const AttentionParams p = pb.params();
+    AttentionParams p = pb.params();
+    p.overwrite_out = o.overwrite_out;
     if (!call_library("attention_forward (accumulate)",
                       [&] { attention_forward(in.q.view(), in.k.view(), in.v.view(), out.view(), lse.view(), p); }))
       return;
     check_forward(pb, refs, out, lse, "one call: ");
     expect_untouched(guards, "out/lse");
   }
-  // ... and two calls, each over one half of the keys, merged into it in turn.
+  // ... and two calls, each over one half of the keys, merged into it in turn (the first written
+  // with overwrite_out).
   const int64_t n = s.num_seqs();
   std::vector<int64_t> start_a(n, 0), len_a(n), start_b(n), len_b(n);
   for (int64_t b = 0; b < n; ++b) {
@@ -152,11 +157,11 @@ void run_forward_case(const KernelCase& c) {
     start_b[b] = len_a[b];
     len_b[b] = s.len_k(b) - len_a[b];
   }
-  const HostTensor out = pb.make_q_like(DType::kFloat32, hq, 0.0);
-  const HostTensor lse = pb.make_lse(-kInf);
+  const HostTensor out = pb.make_q_like(DType::kFloat32, hq, start_out);
+  const HostTensor lse = pb.make_lse(start_lse);
   const auto guards = guard_outside({&out, &lse});
-  if (!forward_key_block(pb, start_a, len_a, out, lse)) return;
-  if (!forward_key_block(pb, start_b, len_b, out, lse)) return;
+  if (!forward_key_block(pb, start_a, len_a, out, lse, o.overwrite_out)) return;
+  if (!forward_key_block(pb, start_b, len_b, out, lse, false)) return;
   check_forward(pb, refs, out, lse, "two halves: ");
   expect_untouched(guards, "out/lse");
   EXPECT_TRUE(inputs.unchanged()) << "attention_forward wrote into q, k or v";

@@ -225,6 +225,16 @@ TEST_F(Validation, OverwriteDkdvNeedsAccumulate) {
                          "[attention_backward] overwrite_dkdv needs accumulate mode", "got accumulate=false");
 }
 
+TEST_F(Validation, OverwriteOutNeedsAccumulateAndIsTheForwards) {
+  p.overwrite_out = true;
+  EXPECT_RINGFLASH_ERROR(InvalidArgument, attention_forward(q.view(), k.view(), v.view(), out.view(), lse.view(), p),
+                         "[attention_forward] overwrite_out needs accumulate mode", "got accumulate=false");
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_backward(q.view(), k.view(), v.view(), out.view(), out.view(), lse.view(),
+                                            dq.view(), dk.view(), dv.view(), p),
+                         "[attention_backward] overwrite_out is an option of the forward");
+}
+
 TEST_F(Validation, BackwardOutMayBeFp32OrInputDtype) {
   const HostTensor qh = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
   const HostTensor kh = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});

@@ -155,6 +155,8 @@ def _raw_cases():
            r"out must have dtype float32, got float16")
     yield ("out accumulate dtype", forward_raw(q.half(), k.half(), v.half(), out.half(), lse, accumulate=True), Invalid,
            r"out must have dtype float32 \(accumulate mode\), got float16")
+    yield ("overwrite_out without accumulate", forward_raw(q, k, v, out, lse, overwrite_out=True), Invalid,
+           r"\[attention_forward\] overwrite_out needs accumulate mode .* got accumulate=false")
     yield ("out aliases q", forward_raw(q, k, v, q, lse), Invalid,
            r"out must not alias q, k or v")
     yield ("lse shape", forward_raw(q, k, v, out, lse[:, :, :4]), Invalid,

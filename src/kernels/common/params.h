@@ -17,6 +17,7 @@ struct AttentionArgs {
   DType grad_dtype = DType::kFloat32;  // of dq, dk, dv
   bool accumulate = false;             // forward merges into out/lse; backward adds into dq/dk/dv
   bool overwrite_dkdv = false;         // backward with accumulate: dk, dv (fp32) written, not added to
+  bool overwrite_out = false;          // forward with accumulate: out, lse (fp32) written, not merged into
   bool deterministic = false;          // backward: bit-identical results run to run
   int device = -1;                     // the CUDA device of the tensors, -1 on the CPU
 

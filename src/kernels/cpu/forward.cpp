@@ -197,7 +197,8 @@ class Forward {
       const int64_t row = s.row_q + q0 + r;
       float* lse_out = lse_ptr(a_, b, row, h);
       if (a_.accumulate) {
-        const core::MergeWeights mw = core::merge_weights(*lse_out, w.l[r]);
+        // With overwrite_out the accumulator counts as empty, whatever it holds.
+        const core::MergeWeights mw = core::merge_weights(a_.overwrite_out ? -kInf : *lse_out, w.l[r]);
         float* out = row_ptr<float>(a_.out, b, row, h);
         // w_acc == 0 means the accumulator is empty: ignore whatever it holds.
         for (int64_t d = 0; d < d_; ++d) out[d] = (mw.w_acc == 0.0f ? 0.0f : mw.w_acc * out[d]) + mw.w_blk * o[d];
@@ -214,9 +215,9 @@ class Forward {
   }
 
   // Rows of a packed batch outside [cu_seqlens_q[0], cu_seqlens_q[B]) belong to no sequence:
-  // without accumulate they are written as empty rows (out = 0, lse = -inf).
+  // without accumulate (or with overwrite_out) they are written as empty rows (out = 0, lse = -inf).
   void clear_unused_rows() const {
-    if (a_.accumulate) return;
+    if (a_.accumulate && !a_.overwrite_out) return;
     const std::vector<float> zeros(d_, 0.0f);
     for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t row) {
       for (int64_t h = 0; h < a_.heads_q; ++h) {

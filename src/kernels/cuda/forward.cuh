@@ -135,8 +135,8 @@ __device__ __forceinline__ float row_lse(float row_max, float sum) {
 }
 __device__ __forceinline__ float row_inverse(float sum) { return sum > 0.0f ? 1.0f / sum : 0.0f; }
 
-// Normalises a warp's output rows and writes them with their lse, or merges them into the fp32
-// accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
+// Normalises a warp's output rows and writes them with their lse (in fp32 with overwrite_out), or
+// merges them into the fp32 accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
 // warp_row0 + 16 mt + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2.
 //
 // The merge loads the old values of its rows before it stores any of them, so that the loads are in
@@ -173,6 +173,20 @@ __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, 
           if (dt * 8 < a.head_dim)
             *reinterpret_cast<uint32_t*>(out + dt * 8) =
               Mma<T>::pack(o[mt][dt][2 * half] * inv[half], o[mt][dt][2 * half + 1] * inv[half]);
+        if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = lse[half];
+      }
+      continue;
+    }
+    if (a.overwrite_out) {  // the same in fp32
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (!live[half]) continue;
+        float* out = row_ptr<float>(a.out, b, row[half], h) + col;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          if (dt * 8 < a.head_dim)
+            *reinterpret_cast<float2*>(out + dt * 8) =
+              make_float2(o[mt][dt][2 * half] * inv[half], o[mt][dt][2 * half + 1] * inv[half]);
         if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = lse[half];
       }
       continue;

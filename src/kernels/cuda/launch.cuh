@@ -55,6 +55,13 @@ void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::
   if (!a.accumulate) zero_unused_rows<T>(a, o, lse, cu_seqlens, rows, heads, stream);
 }
 
+// The forward's out and lse: as clear_unused_rows, and in fp32 with overwrite_out.
+template <typename T>
+void clear_unused_output_rows(const core::AttentionArgs& a, cudaStream_t stream) {
+  clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  if (a.accumulate && a.overwrite_out) zero_unused_rows<float>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+}
+
 template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   using F = Forward<T, kHeadDim>;
@@ -65,7 +72,7 @@ void run_forward(const Params& p, cudaStream_t stream) {
     forward_kernel<T, kHeadDim><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
-  clear_unused_rows<T>(p.a, p.a.out, p.a.lse, p.a.cu_seqlens_q, p.a.rows_q, p.a.heads_q, stream);
+  clear_unused_output_rows<T>(p.a, stream);
 }
 
 // The passes around a backward kernel: dsum and lse2 first, then main() (the kernel that computes

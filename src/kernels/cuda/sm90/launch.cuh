@@ -157,7 +157,7 @@ void run_forward(const Params& p, cudaStream_t stream) {
   const bool plain = a.alibi_slopes == nullptr && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
   if (plain) launch_forward<T, kHeadDim, true>(p, stream);
   else launch_forward<T, kHeadDim, false>(p, stream);
-  clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  clear_unused_output_rows<T>(a, stream);
 }
 
 // The dQ kernel of the head-dim-256 backward (dq.cuh).
