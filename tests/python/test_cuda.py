@@ -592,9 +592,10 @@ ACCUMULATE_MASKS = {
     "causal": dict(causal=True),
     "causal-window": dict(causal=True, window_left=100),
 }
-# The same, with each block's backward writing its rows of dk and dv (overwrite_dkdv): they start
-# as NaN, which any row left unwritten would keep.
-OVERWRITE_MASKS = {"causal-overwrite-dkdv": "causal"}
+# The same, with the first block's forward writing out and lse (overwrite_out) and each block's
+# backward writing its rows of dk and dv (overwrite_dkdv): they start as NaN, which any element
+# left unwritten would keep.
+OVERWRITE_MASKS = {"causal-overwrite": "causal"}
 
 
 def key_blocks(seqlen_k):
@@ -604,29 +605,30 @@ def key_blocks(seqlen_k):
     return [blocks[1], blocks[2], blocks[0]]
 
 
-def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite_dkdv=False, **options):
+def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite=False, **options):
     """Forward and backward over key_blocks in accumulate mode on `device`; returns out, lse and the
-    gradients added to grads0 (on the CPU), or with overwrite_dkdv, dk and dv as written."""
+    gradients added to grads0 (on the CPU), or with `overwrite` (overwrite_out for the first
+    forward, overwrite_dkdv), dk and dv as written."""
     q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=device)
-    lse = torch.full((batch, heads_q, seqlen_q), float("-inf"), device=device)
+    out = torch.full(q.shape, float("nan") if overwrite else 0.0, dtype=torch.float32, device=device)
+    lse = torch.full((batch, heads_q, seqlen_q), float("nan") if overwrite else float("-inf"), device=device)
     blocks = key_blocks(seqlen_k)
     q_pos = seqlen_k - seqlen_q  # bottom-right, made explicit
-    for start, end in blocks:
+    for i, (start, end) in enumerate(blocks):
         _C.attention_forward(q, k[:, start:end], v[:, start:end], out, lse, q_offset=q_pos, k_offset=start,
-                             accumulate=True, **options, **run_options(q))
+                             accumulate=True, overwrite_out=overwrite and i == 0, **options, **run_options(q))
     dq, dk, dv = (g.to(device).clone() for g in grads0)
-    if overwrite_dkdv:
+    if overwrite:
         dk.fill_(float("nan"))
         dv.fill_(float("nan"))
     for start, end in blocks:
         _C.attention_backward(q, k[:, start:end], v[:, start:end], out, dout, lse, dq, dk[:, start:end],
                               dv[:, start:end], q_offset=q_pos, k_offset=start, accumulate=True,
-                              overwrite_dkdv=overwrite_dkdv, **options, **run_options(q))
+                              overwrite_dkdv=overwrite, **options, **run_options(q))
     added = [dq.cpu() - grads0[0]]
-    if overwrite_dkdv:
+    if overwrite:
         return [out.cpu(), lse.cpu()] + added + [dk.cpu(), dv.cpu()]
     return [out.cpu(), lse.cpu()] + added + [(g.cpu() - g0) for g, g0 in zip((dk, dv), grads0[1:])]
 
@@ -643,8 +645,8 @@ def test_accumulate(shape, mask, dtype):
     dout = rounded_randn(q.shape, dtype, g)
     grads0 = [torch.randn(t.shape, generator=g) for t in (q, k, v)]  # fp32 values the gradients add to
 
-    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, overwrite_dkdv=overwrite, **options)
-    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", overwrite_dkdv=overwrite, **options)
+    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, overwrite=overwrite, **options)
+    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", overwrite=overwrite, **options)
 
     reference_mask = raw_mask(options)
     xs = [t.to(F64).requires_grad_() for t in (q, k, v)]
@@ -661,6 +663,28 @@ def test_accumulate(shape, mask, dtype):
         rule_dtype = torch.float32 if name == "lse" else dtype
         assert_pass_rule(name, got, ref, naive, rule_dtype)
         assert_pass_rule(f"{name} (CUDA against the CPU kernel)", got, on_cpu, naive, rule_dtype)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
+def test_overwrite_out_writes_every_row(head_dim):
+    """overwrite_out on a packed batch with rows outside every document: out and lse start as NaN
+    and come out bit-identical to a merge into an empty accumulator (0 and -inf in the rows of no
+    document)."""
+    q, k, v, cu_q, cu_k = packed_with_margins([17, 0, 1, 200], [5, 0, 33, 200], 3, 130, 8, 2, head_dim,
+                                              torch.bfloat16, seed=16)
+    require_support_raw(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    q, k, v = (t.to(DEVICE) for t in (q, k, v))
+    options = dict(causal=True, cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE), accumulate=True,
+                   **run_options(q))
+    results = []
+    for overwrite in (False, True):
+        out = torch.full(q.shape, float("nan") if overwrite else 0.0, dtype=torch.float32, device=DEVICE)
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan") if overwrite else float("-inf"), device=DEVICE)
+        _C.attention_forward(q, k, v, out, lse, overwrite_out=overwrite, **options)
+        results.append((out.cpu(), lse.cpu()))
+    (merged_out, merged_lse), (written_out, written_lse) = results
+    assert torch.equal(written_out, merged_out)
+    assert torch.equal(written_lse, merged_lse)
 
 
 # --- deterministic backward -------------------------------------------------------------------------
