@@ -240,11 +240,10 @@ def _chunked_attention_forward(
             _C.attention_forward(_rows(q, qc), _rows(k, kc), _rows(v, kc), out_c, lse_c,
                                  **plan.offsets(qc, kc), **options)
             continue
-        acc = _fp32_zeros(out_c)  # (B, chunk, Hq, D) fp32
-        lse_c.fill_(-math.inf)
-        for kc in kv_chunks:
+        acc = _fp32_like(out_c)  # (B, chunk, Hq, D) fp32; the first key chunk writes it (overwrite_out)
+        for i, kc in enumerate(kv_chunks):
             _C.attention_forward(_rows(q, qc), _rows(k, kc), _rows(v, kc), acc, lse_c, accumulate=True,
-                                 **plan.offsets(qc, kc), **options)
+                                 overwrite_out=i == 0, **plan.offsets(qc, kc), **options)
         if acc is not out_c:
             out_c.copy_(acc)
     return out, lse
