@@ -66,6 +66,10 @@ struct AttentionParams {
   // never read. For the first of several calls into the same accumulator, such as a ring's first
   // step, which then needs no fill.
   bool overwrite_out = false;
+  // Forward in accumulate mode: the merged rows go, rounded to q's dtype, to this tensor (q's
+  // shape) instead of back into out, which is then not written. For the last of several calls
+  // into the same accumulator, such as a ring's last step, which then needs no conversion pass.
+  std::optional<TensorView> final_out;
 
   int num_threads = 0;     // CPU: threads to use; 0 means every core
   void* stream = nullptr;  // CUDA: the cudaStream_t to run on; ignored on CPU

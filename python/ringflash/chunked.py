@@ -240,12 +240,13 @@ def _chunked_attention_forward(
             _C.attention_forward(_rows(q, qc), _rows(k, kc), _rows(v, kc), out_c, lse_c,
                                  **plan.offsets(qc, kc), **options)
             continue
-        acc = _fp32_like(out_c)  # (B, chunk, Hq, D) fp32; the first key chunk writes it (overwrite_out)
+        # (B, chunk, Hq, D) fp32: the first key chunk writes it (overwrite_out), the last rounds the
+        # merged rows into out (final_out) unless out is the accumulator itself.
+        acc = _fp32_like(out_c)
         for i, kc in enumerate(kv_chunks):
+            final = out_c if i == len(kv_chunks) - 1 and acc is not out_c else None
             _C.attention_forward(_rows(q, qc), _rows(k, kc), _rows(v, kc), acc, lse_c, accumulate=True,
-                                 overwrite_out=i == 0, **plan.offsets(qc, kc), **options)
-        if acc is not out_c:
-            out_c.copy_(acc)
+                                 overwrite_out=i == 0, final_out=final, **plan.offsets(qc, kc), **options)
     return out, lse
 
 

@@ -54,7 +54,8 @@ Padded batch: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), out like q, lse float32
 Packed batch (cu_seqlens_q and cu_seqlens_k given, int32 (B + 1,) on the host for cpu tensors):
 q (Tq, Hq, D), k and v (Tk, Hkv, D), lse (Hq, Tq). D must be contiguous; Hq a multiple of Hkv.
 `out` and `lse` are written (merged into, with accumulate=True; then out is float32; with
-overwrite_out=True as well, written as this block's result, their old contents never read).
+overwrite_out=True as well, written as this block's result, their old contents never read; with a
+final_out, shaped like q in its dtype, the merged rows go there rounded, and out is not written).
 Causal alignment is bottom-right (q_offset=None); q_offset / k_offset, or the per-sequence
 q_seq_offsets / k_seq_offsets (int32 (B,)), give global positions instead. window_left/right:
 -1 is unbounded. softcap 0 is off. alibi_slopes: float32 (Hq,) or (B, Hq). dropout_p > 0 raises

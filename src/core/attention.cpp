@@ -289,8 +289,17 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   RINGFLASH_CHECK(!params.overwrite_out || params.accumulate, InvalidArgument,
                   "[attention_forward] overwrite_out needs accumulate mode (it writes fp32 out and lse), got "
                   "accumulate=false");
+  RINGFLASH_CHECK(!params.final_out || params.accumulate, InvalidArgument,
+                  "[attention_forward] final_out needs accumulate mode (it takes the merged result), got "
+                  "accumulate=false");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kAccumulate);
+  if (params.final_out) {
+    args.final_out = check.like(*params.final_out, "final_out", q, Rule::kSame);
+    RINGFLASH_CHECK(params.final_out->data() != out.data() || out.numel() == 0, InvalidArgument,
+                    "[attention_forward] final_out must not alias out");
+    args.write_final = true;
+  }
   check.check_lse(lse, args);
   if (q.numel() == 0) return;
   if (q.device().type == DeviceType::kCUDA) {
@@ -308,8 +317,9 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   RINGFLASH_CHECK(!params.overwrite_dkdv || params.accumulate, InvalidArgument,
                   "[attention_backward] overwrite_dkdv needs accumulate mode (it writes fp32 dk and dv), got "
                   "accumulate=false");
-  RINGFLASH_CHECK(!params.overwrite_out, InvalidArgument,
-                  "[attention_backward] overwrite_out is an option of the forward, got overwrite_out=true");
+  RINGFLASH_CHECK(!params.overwrite_out && !params.final_out, InvalidArgument,
+                  "[attention_backward] overwrite_out and final_out are options of the forward, got ",
+                  params.overwrite_out ? "overwrite_out=true" : "a final_out");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kSameOrFp32);
   args.out_dtype = out.dtype();

@@ -3,15 +3,15 @@
 // At step s rank r holds the K/V of rank (r - s) mod P and runs the single-device kernel, in
 // accumulate mode, on every pair (query piece of r, key piece of that rank) that the mask does
 // not leave empty, in one call for all of them where one call sees what the pairs see. Forward
-// merges into fp32 (out, lse), which the first step writes (overwrite_out); backward adds into
-// fp32 dq (local), into this rank's own fp32 dK/dV, and into fp32 dK/dV partial sums for the
-// other ranks' K/V: a partial starts on the rank after its K/V's home, travels with the K/V, and
-// its last hop lands at home, where it is added to that rank's own (P - 1 hops, as the K/V make).
-// The transfer for step s + 1 is posted before step s computes. The backward splits its own block
-// in two halves of its K/V heads (of its key rows with one K/V head): the first at step 0 (under
-// the first K/V transfer), the second after the last step (under the last hop, which would
-// otherwise run alone). With a window, the ring stops after the last step any rank needs, so
-// farther transfers never happen.
+// merges into fp32 (out, lse), which the first step writes (overwrite_out) and the last rounds
+// into out (final_out); backward adds into fp32 dq (local), into this rank's own fp32 dK/dV, and
+// into fp32 dK/dV partial sums for the other ranks' K/V: a partial starts on the rank after its
+// K/V's home, travels with the K/V, and its last hop lands at home, where it is added to that
+// rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before step s
+// computes. The backward splits its own block in two halves of its K/V heads (of its key rows
+// with one K/V head): the first at step 0 (under the first K/V transfer), the second after the
+// last step (under the last hop, which would otherwise run alone). With a window, the ring stops
+// after the last step any rank needs, so farther transfers never happen.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)
@@ -269,21 +269,29 @@ class Ring {
       kernels::fill(rows(acc, empty), 0.0f, stream_);
       kernels::fill(lse_rows(lse, empty), -std::numeric_limits<float>::infinity(), stream_);
     }
+    // Where the last step's query blocks are disjoint, its calls write their rows of out itself,
+    // rounded (final_out), and only the rows that none covers are converted from the accumulator.
+    const std::vector<Call> last = steps_ == 1 ? first : calls(source(steps_ - 1));
+    const std::optional<std::vector<Block>> unfinished =
+        own_acc ? uncovered(last, &Call::q, all) : std::optional<std::vector<Block>>{};
 
     prepare_travel();
     for (int s = 0; s < steps_; ++s) {
       const int src = source(s);
       std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
       const KeyValues kv = key_values(s);
-      for (const Call& c : s == 0 ? first : calls(src)) {
+      for (const Call& c : s == 0 ? first : s + 1 == steps_ ? last : calls(src)) {
         AttentionParams params = c.params;
         params.overwrite_out = s == 0 && gaps.has_value();
+        if (s + 1 == steps_ && unfinished) params.final_out = rows(out, c.q);
         attention_forward(rows(q_, c.q), rows(kv.k, c.k), rows(kv.v, c.k), rows(acc, c.q), lse_rows(lse, c.q),
                           params);
       }
       if (kv_in) kv_in->wait();
     }
-    if (own_acc) kernels::copy(acc, out, stream_);
+    if (own_acc)
+      for (const Block& rest : unfinished ? *unfinished : std::vector<Block>{all})
+        if (rest.count > 0) kernels::copy(rows(acc, rest), rows(out, rest), stream_);
   }
 
   void backward() {

@@ -48,6 +48,7 @@ struct Options {
   bool fp32_out = false;    // backward: out is fp32 whatever the input dtype (a ring's merged out)
   bool overwrite_dkdv = false;  // backward with accumulate: dk and dv written, not added to
   bool overwrite_out = false;   // forward with accumulate: the first call writes out and lse (from NaN)
+  bool final_out = false;       // forward with accumulate: the last call rounds out into q's dtype
   bool backward_only = false;
   bool forward_only = false;
 };
@@ -191,6 +192,21 @@ inline const std::vector<Options>& all_options() {
         o.positions = Positions::kPerSequence;
         o.window_left = 50;
         o.window_right = 20;
+        o.layout = Layout::kStrided;
+        o.forward_only = true;
+      }),
+      make_options("accumulate_final_out_causal", [](Options& o) {
+        o.accumulate = true;
+        o.final_out = true;
+        o.causal = true;
+        o.forward_only = true;
+      }),
+      make_options("accumulate_overwrite_final_out_seq_offsets_strided", [](Options& o) {
+        o.accumulate = true;
+        o.overwrite_out = true;
+        o.final_out = true;
+        o.positions = Positions::kPerSequence;
+        o.window_left = 40;
         o.layout = Layout::kStrided;
         o.forward_only = true;
       }),

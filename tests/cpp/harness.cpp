@@ -68,14 +68,15 @@ HostTensor packed_key_rows(const Problem& pb, const HostTensor& t, const std::ve
 }
 
 // Forward in accumulate mode over the keys [start, start + len) of every sequence, merged into
-// (out, lse), or written to them with `overwrite`.
+// (out, lse), or written to them with `overwrite`; with `final`, the merged out goes there instead.
 bool forward_key_block(Problem& pb, const std::vector<int64_t>& start, const std::vector<int64_t>& len,
-                       const HostTensor& out, const HostTensor& lse, bool overwrite) {
+                       const HostTensor& out, const HostTensor& lse, bool overwrite, const HostTensor* final) {
   const Shape& s = pb.shape();
   const Options& o = pb.options();
   const int64_t n = s.num_seqs();
   AttentionParams p = pb.params();
   p.overwrite_out = overwrite;
+  if (final) p.final_out = final->view();
   // Queries keep the positions they have against all keys; the default bottom-right would move.
   std::vector<int32_t> q_seq(n), k_seq(n), cu_k;
   for (int64_t b = 0; b < n; ++b) {
@@ -149,7 +150,8 @@ void run_forward_case(const KernelCase& c) {
     expect_untouched(guards, "out/lse");
   }
   // ... and two calls, each over one half of the keys, merged into it in turn (the first written
-  // with overwrite_out).
+  // with overwrite_out; with final_out, the second rounds the result into a tensor of q's dtype
+  // and leaves out as the first left it).
   const int64_t n = s.num_seqs();
   std::vector<int64_t> start_a(n, 0), len_a(n), start_b(n), len_b(n);
   for (int64_t b = 0; b < n; ++b) {
@@ -159,11 +161,18 @@ void run_forward_case(const KernelCase& c) {
   }
   const HostTensor out = pb.make_q_like(DType::kFloat32, hq, start_out);
   const HostTensor lse = pb.make_lse(start_lse);
-  const auto guards = guard_outside({&out, &lse});
-  if (!forward_key_block(pb, start_a, len_a, out, lse, o.overwrite_out)) return;
-  if (!forward_key_block(pb, start_b, len_b, out, lse, false)) return;
-  check_forward(pb, refs, out, lse, "two halves: ");
-  expect_untouched(guards, "out/lse");
+  const HostTensor final = pb.make_q_like(c.dtype, hq, kNaN);
+  const auto guards = guard_outside({&out, &lse, &final});
+  if (!forward_key_block(pb, start_a, len_a, out, lse, o.overwrite_out, nullptr)) return;
+  const auto first_out = out.storage()->bytes;
+  if (!forward_key_block(pb, start_b, len_b, out, lse, false, o.final_out ? &final : nullptr)) return;
+  if (o.final_out) {
+    check_forward(pb, forward_refs(pb, c.dtype), final, lse, "two halves, final_out: ");
+    EXPECT_TRUE(out.storage()->bytes == first_out) << "a call with final_out wrote into out";
+  } else {
+    check_forward(pb, refs, out, lse, "two halves: ");
+  }
+  expect_untouched(guards, "out/lse/final_out");
   EXPECT_TRUE(inputs.unchanged()) << "attention_forward wrote into q, k or v";
 }
 

@@ -232,7 +232,34 @@ TEST_F(Validation, OverwriteOutNeedsAccumulateAndIsTheForwards) {
   EXPECT_RINGFLASH_ERROR(InvalidArgument,
                          attention_backward(q.view(), k.view(), v.view(), out.view(), out.view(), lse.view(),
                                             dq.view(), dk.view(), dv.view(), p),
-                         "[attention_backward] overwrite_out is an option of the forward");
+                         "[attention_backward] overwrite_out and final_out are options of the forward",
+                         "got overwrite_out=true");
+}
+
+TEST_F(Validation, FinalOut) {
+  const HostTensor qh = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
+  const HostTensor kh = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});
+  const HostTensor final = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
+  p.final_out = final.view();
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_forward(qh.view(), kh.view(), kh.view(), out.view(), lse.view(), p),
+                         "[attention_forward] final_out needs accumulate mode", "got accumulate=false");
+  p.accumulate = true;
+  p.final_out = out.view();
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_forward(qh.view(), kh.view(), kh.view(), out.view(), lse.view(), p),
+                         "final_out must have dtype float16", "got float32");
+  const HostTensor short_final = HostTensor::empty(DType::kFloat16, {kB, kS - 1, kHq, kD});
+  p.final_out = short_final.view();
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_forward(qh.view(), kh.view(), kh.view(), out.view(), lse.view(), p),
+                         "final_out must have shape (2, 8, 4, 16)", "got (2, 7, 4, 16)");
+  p.final_out = final.view();
+  EXPECT_RINGFLASH_ERROR(InvalidArgument,
+                         attention_backward(qh.view(), kh.view(), kh.view(), out.view(), qh.view(), lse.view(),
+                                            dq.view(), dk.view(), dv.view(), p),
+                         "[attention_backward] overwrite_out and final_out are options of the forward",
+                         "got a final_out");
 }
 
 TEST_F(Validation, BackwardOutMayBeFp32OrInputDtype) {

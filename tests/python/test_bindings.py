@@ -34,6 +34,37 @@ def test_exports():
     assert torch.ops.ringflash.attention_backward.default is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_overwrite_out_and_final_out(dtype):
+    """A ring's first step writing its accumulator (overwrite_out, from NaN) and its last rounding
+    the merged rows into a tensor of q's dtype (final_out) give, bit for bit, the merge into an
+    empty accumulator rounded afterwards; out is left as the steps before the last left it."""
+    shape = Shape(2, 23, 61, 4, 2, 32)
+    q, k, v = make_qkv(shape, dtype, seed=23)
+    q_pos = shape.seqlen_k - shape.seqlen_q
+    blocks = [(20, 45), (0, 20), (45, 61)]
+
+    def run(first_writes, last_rounds):
+        out = torch.full(q.shape, float("nan") if first_writes else 0.0)
+        lse = torch.full((2, 4, 23), float("nan") if first_writes else float("-inf"))
+        final = torch.full(q.shape, float("nan"), dtype=dtype)
+        before_last = None
+        for i, (start, end) in enumerate(blocks):
+            last = i == len(blocks) - 1
+            if last:
+                before_last = out.clone()
+            _C.attention_forward(q, k[:, start:end], v[:, start:end], out, lse, causal=True, q_offset=q_pos,
+                                 k_offset=start, accumulate=True, overwrite_out=first_writes and i == 0,
+                                 final_out=final if last and last_rounds else None)
+        return (final if last_rounds else out.to(dtype)), lse, out, before_last
+
+    merged, merged_lse, _, _ = run(False, False)
+    final, lse, out, before_last = run(True, True)
+    assert torch.equal(final, merged)
+    assert torch.equal(lse, merged_lse)
+    assert torch.equal(out, before_last)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_accumulate_over_key_blocks(causal, dtype):

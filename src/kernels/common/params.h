@@ -18,6 +18,7 @@ struct AttentionArgs {
   bool accumulate = false;             // forward merges into out/lse; backward adds into dq/dk/dv
   bool overwrite_dkdv = false;         // backward with accumulate: dk, dv (fp32) written, not added to
   bool overwrite_out = false;          // forward with accumulate: out, lse (fp32) written, not merged into
+  bool write_final = false;            // forward with accumulate: merged rows to final_out (dtype), not out
   bool deterministic = false;          // backward: bit-identical results run to run
   int device = -1;                     // the CUDA device of the tensors, -1 on the CPU
 
@@ -59,6 +60,7 @@ struct AttentionArgs {
     int64_t batch_stride = 0, row_stride = 0, head_stride = 0;
   };
   Operand q, k, v, out;
+  Operand final_out;         // forward with write_final: shaped like q, in its dtype
   Operand dout, dq, dk, dv;  // backward only
   // lse: fp32; element (b, h, i) at lse + b * lse_batch_stride + h * lse_head_stride + row(i),
   // where row(i) = i for padded batches and cu_seqlens_q[b] + i for packed ones.

@@ -193,15 +193,19 @@ class Forward {
     for (int64_t r = 0; r < rows; ++r) {
       if (r % kVecWidth == 0)  // O^T's next kVecWidth columns as rows
         transpose_rows(w.ot + r, kBlockM, d_, d_, std::min<int64_t>(kVecWidth, rows - r), 1.0f, rows_t, d_);
-      const float* o = rows_t + r % kVecWidth * d_;
+      float* o = rows_t + r % kVecWidth * d_;  // this row's, used once: the merge goes in place
       const int64_t row = s.row_q + q0 + r;
       float* lse_out = lse_ptr(a_, b, row, h);
       if (a_.accumulate) {
         // With overwrite_out the accumulator counts as empty, whatever it holds.
         const core::MergeWeights mw = core::merge_weights(a_.overwrite_out ? -kInf : *lse_out, w.l[r]);
-        float* out = row_ptr<float>(a_.out, b, row, h);
+        float* acc = row_ptr<float>(a_.out, b, row, h);
         // w_acc == 0 means the accumulator is empty: ignore whatever it holds.
-        for (int64_t d = 0; d < d_; ++d) out[d] = (mw.w_acc == 0.0f ? 0.0f : mw.w_acc * out[d]) + mw.w_blk * o[d];
+        for (int64_t d = 0; d < d_; ++d) o[d] = (mw.w_acc == 0.0f ? 0.0f : mw.w_acc * acc[d]) + mw.w_blk * o[d];
+        if (a_.write_final)
+          store_operand_row<T>(o, d_, false, a_.dtype, a_.final_out, b, row, h);
+        else
+          std::copy(o, o + d_, acc);
         *lse_out = mw.lse;
         continue;
       }
@@ -214,15 +218,19 @@ class Forward {
     store_operand_row<T>(o, d_, false, a_.out_dtype, a_.out, b, row, h);
   }
 
-  // Rows of a packed batch outside [cu_seqlens_q[0], cu_seqlens_q[B]) belong to no sequence:
-  // without accumulate (or with overwrite_out) they are written as empty rows (out = 0, lse = -inf).
+  // Rows of a packed batch outside [cu_seqlens_q[0], cu_seqlens_q[B]) belong to no sequence: the
+  // outputs a call writes rather than merges into get empty rows there (out or final_out = 0; lse
+  // = -inf without accumulate or with overwrite_out).
   void clear_unused_rows() const {
-    if (a_.accumulate && !a_.overwrite_out) return;
+    if (a_.accumulate && !a_.overwrite_out && !a_.write_final) return;
     const std::vector<float> zeros(d_, 0.0f);
     for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t row) {
       for (int64_t h = 0; h < a_.heads_q; ++h) {
-        *lse_ptr(a_, 0, row, h) = -kInf;
-        store_output(zeros.data(), 0, row, h);
+        if (!a_.accumulate || a_.overwrite_out) *lse_ptr(a_, 0, row, h) = -kInf;
+        if (a_.write_final)
+          store_operand_row<T>(zeros.data(), d_, false, a_.dtype, a_.final_out, 0, row, h);
+        else
+          store_output(zeros.data(), 0, row, h);
       }
     });
   }

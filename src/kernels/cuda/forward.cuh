@@ -135,8 +135,25 @@ __device__ __forceinline__ float row_lse(float row_max, float sum) {
 }
 __device__ __forceinline__ float row_inverse(float sum) { return sum > 0.0f ? 1.0f / sum : 0.0f; }
 
+// Where a forward's output row goes in T: out without accumulate, final_out with write_final;
+// null where it goes to the fp32 out.
+template <typename T>
+__device__ __forceinline__ T* t_row(const core::AttentionArgs& a, int64_t b, int64_t row, int h) {
+  if (!a.accumulate) return row_ptr<T>(a.out, b, row, h);
+  return a.write_final ? row_ptr<T>(a.final_out, b, row, h) : nullptr;
+}
+
+// Stores the pair (x, y) at column c of a row: packed into T at `t_out` when it is set, else in
+// fp32 at `f_out`.
+template <typename T>
+__device__ __forceinline__ void store_pair(T* t_out, float* f_out, int c, float x, float y) {
+  if (t_out) *reinterpret_cast<uint32_t*>(t_out + c) = Mma<T>::pack(x, y);
+  else *reinterpret_cast<float2*>(f_out + c) = make_float2(x, y);
+}
+
 // Normalises a warp's output rows and writes them with their lse (in fp32 with overwrite_out), or
-// merges them into the fp32 accumulator. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
+// merges them into the fp32 accumulator; with write_final the rows go to final_out in T instead
+// of out. Rows past the sequence's end are dropped. Element (mt, dt, i) of o is row
 // warp_row0 + 16 mt + lane / 4 + 8 (i / 2), column 8 dt + 2 (lane % 4) + i % 2.
 //
 // The merge loads the old values of its rows before it stores any of them, so that the loads are in
@@ -163,30 +180,17 @@ __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, 
       live[half] = r < rows;
       row[half] = seq.row_q + q0 + r;
     }
-    if (!a.accumulate) {
+    if (!a.accumulate || a.overwrite_out) {  // written as they are: in T, or in fp32 unless write_final
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (!live[half]) continue;
-        T* out = row_ptr<T>(a.out, b, row[half], h) + col;
+        T* t_out = t_row<T>(a, b, row[half], h);
+        float* f_out = t_out ? nullptr : row_ptr<float>(a.out, b, row[half], h);
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt)
           if (dt * 8 < a.head_dim)
-            *reinterpret_cast<uint32_t*>(out + dt * 8) =
-              Mma<T>::pack(o[mt][dt][2 * half] * inv[half], o[mt][dt][2 * half + 1] * inv[half]);
-        if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = lse[half];
-      }
-      continue;
-    }
-    if (a.overwrite_out) {  // the same in fp32
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (!live[half]) continue;
-        float* out = row_ptr<float>(a.out, b, row[half], h) + col;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-          if (dt * 8 < a.head_dim)
-            *reinterpret_cast<float2*>(out + dt * 8) =
-              make_float2(o[mt][dt][2 * half] * inv[half], o[mt][dt][2 * half + 1] * inv[half]);
+            store_pair(t_out, f_out, col + dt * 8, o[mt][dt][2 * half] * inv[half],
+                       o[mt][dt][2 * half + 1] * inv[half]);
         if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = lse[half];
       }
       continue;
@@ -214,13 +218,13 @@ __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, 
         if (!live[half]) continue;
         const core::MergeWeights w = core::merge_weights(old_lse[i], lse[half]);
         const float w_blk = w.w_blk * inv[half];
-        float* out = row_ptr<float>(a.out, b, row[half], h) + col;
+        T* t_out = t_row<T>(a, b, row[half], h);
+        float* f_out = t_out ? nullptr : row_ptr<float>(a.out, b, row[half], h);
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt)
           if (dt * 8 < a.head_dim)
-            *reinterpret_cast<float2*>(out + dt * 8) =
-              make_float2(w.w_acc * old[i][dt].x + w_blk * o[mt][dt][2 * half],
-                          w.w_acc * old[i][dt].y + w_blk * o[mt][dt][2 * half + 1]);
+            store_pair(t_out, f_out, col + dt * 8, w.w_acc * old[i][dt].x + w_blk * o[mt][dt][2 * half],
+                       w.w_acc * old[i][dt].y + w_blk * o[mt][dt][2 * half + 1]);
         if (lane % 4 == 0) a.lse[p.lse_index(b, h, row[half])] = w.lse;
       }
     }

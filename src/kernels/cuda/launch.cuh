@@ -55,11 +55,15 @@ void clear_unused_rows(const core::AttentionArgs& a, const core::AttentionArgs::
   if (!a.accumulate) zero_unused_rows<T>(a, o, lse, cu_seqlens, rows, heads, stream);
 }
 
-// The forward's out and lse: as clear_unused_rows, and in fp32 with overwrite_out.
+// The forward's outputs, as clear_unused_rows: out and lse without accumulate; in accumulate mode
+// final_out (write_final), and out in fp32 and lse with overwrite_out (lse alone with both).
 template <typename T>
 void clear_unused_output_rows(const core::AttentionArgs& a, cudaStream_t stream) {
   clear_unused_rows<T>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
-  if (a.accumulate && a.overwrite_out) zero_unused_rows<float>(a, a.out, a.lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  if (!a.accumulate) return;
+  float* lse = a.overwrite_out ? a.lse : nullptr;
+  if (a.write_final) zero_unused_rows<T>(a, a.final_out, lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
+  else if (a.overwrite_out) zero_unused_rows<float>(a, a.out, lse, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
 }
 
 template <typename T, int kHeadDim>
