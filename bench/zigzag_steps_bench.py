@@ -9,9 +9,10 @@ calls that src/parallel/ring.cpp makes, in accumulate mode into fp32 (`zigzag_ca
   forward   its own rows, one causal call over 2c x 2c; then for each source rank s, a rectangle:
             all 2c rows against s's first chunk (s < r), or r's second chunk against all 2c of s's
             rows (s > r);
-  backward  its own block in two halves of its key rows (2c x c, then c x c), the rectangles
-            between them.
-Each call is also timed writing bf16 (plain), so the accumulate mode's own cost shows. Before
+  backward  its own block in two halves of its K/V heads (each 2c x 2c, causal; of its key rows,
+            2c x c then c x c, with one K/V head), the rectangles between them.
+Each call is also timed writing bf16 (plain), so the accumulate mode's own cost shows. Every call,
+and the one call over the sequence, is timed in turn, one call at a time (medians_ms). Before
 timing, each rank's calls run once into fresh accumulators and must give its rows of the one
 call's out and dq (cp_bench's limits); exit status 1 if not. Per rank, the sum of its calls'
 medians; the slowest rank's sum bounds tP from below, so t1 / (P x that sum) is the efficiency the
@@ -38,6 +39,7 @@ class Call:
     k_rows: Rows    # the source's local key rows
     q_offset: int   # the global position the kernel gives the first query row (causal mask)
     k_offset: int   # likewise for the first key row
+    heads: int = -1  # -1: every head; 0 or 1: that half of the K/V heads (and their query heads)
 
 
 def zigzag_positions(world: int, rank: int, seqlen: int) -> List[int]:
@@ -46,7 +48,7 @@ def zigzag_positions(world: int, rank: int, seqlen: int) -> List[int]:
     return list(range(rank * c, (rank + 1) * c)) + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
 
 
-def zigzag_calls(world: int, rank: int, seqlen: int) -> List[Call]:
+def zigzag_calls(world: int, rank: int, seqlen: int, heads_kv: int = 2) -> List[Call]:
     """A rank's kernel calls in ring order: the forward's, then the backward's. seqlen must be a
     multiple of 2 * world."""
     if world < 1 or not 0 <= rank < world or seqlen % (2 * world):
@@ -63,10 +65,13 @@ def zigzag_calls(world: int, rank: int, seqlen: int) -> List[Call]:
             steps.append((src, (c, c), (0, 2 * c), second, src * c))
     fwd = [Call("fwd", rank, (0, 2 * c), (0, 2 * c), first, first)]
     fwd += [Call("fwd", *s) for s in steps]
-    bwd = [Call("bwd", rank, (0, 2 * c), (0, c), first, first)]
-    bwd += [Call("bwd", *s) for s in steps]
-    bwd.append(Call("bwd", rank, (c, c), (c, c), second, second))
-    return fwd + bwd
+    if world > 1 and heads_kv > 1:  # the own block's two halves: halves of the K/V heads
+        own = [Call("bwd", rank, (0, 2 * c), (0, 2 * c), first, first, half) for half in (0, 1)]
+    elif world > 1:  # with one K/V head, halves of the key rows
+        own = [Call("bwd", rank, (0, 2 * c), (0, c), first, first), Call("bwd", rank, (c, c), (c, c), second, second)]
+    else:
+        own = [Call("bwd", rank, (0, 2 * c), (0, 2 * c), first, first)]
+    return fwd + own[:1] + [Call("bwd", *s) for s in steps] + own[1:]
 
 
 def parse_args(argv=None):
@@ -104,25 +109,33 @@ def main(argv=None):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     S, P, H, HKV, D = args.seqlen, args.world, args.heads, args.heads_kv, args.hdim
 
-    def median_ms(fn):
-        """CUDA events around each call (a synchronize after it); on the CPU, the wall clock."""
-        for _ in range(args.warmup):
+    def call_ms(fn):
+        """One call between CUDA events (a synchronize after it); on the CPU, the wall clock."""
+        if not cuda:
+            start = time.perf_counter()
             fn()
+            return (time.perf_counter() - start) * 1e3
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
         sync()
-        times = []
+        return a.elapsed_time(b)
+
+    def medians_ms(fns):
+        """Median ms of each of fns, timed in turn one call at a time over --iters rounds (after
+        --warmup calls of each): every function then meets the GPU at the same clocks. Timed one
+        function after another, the later ones ran on a GPU nearer its power cap (on an H100, rank
+        1's calls read 8-25 % slower than the same calls in a 2-GPU run)."""
+        for fn in fns:
+            for _ in range(args.warmup):
+                fn()
+        sync()
+        times = [[] for _ in fns]
         for _ in range(args.iters):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                sync()
-                times.append(a.elapsed_time(b))
-            else:
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+            for i, fn in enumerate(fns):
+                times[i].append(call_ms(fn))
+        return [statistics.median(t) for t in times]
 
     torch.manual_seed(0)
     q = torch.randn(1, S, H, D, device=dev, dtype=dt)
@@ -130,9 +143,11 @@ def main(argv=None):
     dout = torch.randn_like(q)
     out, lse = torch.empty_like(q), torch.empty(1, H, S, device=dev, dtype=f32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    t1 = dict(fwd=median_ms(lambda: _C.attention_forward(q, k, v, out, lse, causal=True, stream=stream)),
-              bwd=median_ms(lambda: _C.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, causal=True,
-                                                          stream=stream)))
+    one_call = dict(fwd=lambda: _C.attention_forward(q, k, v, out, lse, causal=True, stream=stream),
+                    bwd=lambda: _C.attention_backward(q, k, v, out, dout, lse, dq, dk, dv, causal=True,
+                                                      stream=stream))
+    one_call["fwd"]()  # out and lse, which the backward and the shards read, then dq for the check
+    one_call["bwd"]()
 
     def shard(t, rank, dim=1):
         return t.index_select(dim, torch.tensor(zigzag_positions(P, rank, S), device=dev))
@@ -146,28 +161,40 @@ def main(argv=None):
         return dict(out=zeros(mine["q"]), lse=torch.full_like(mine["lse"], float("-inf")), dq=zeros(mine["q"]),
                     dk=zeros(mine["k"]), dv=zeros(mine["k"]))
 
+    def head_slices(call):
+        """The query and K/V heads of a call: all, or a half of the K/V heads and their query heads."""
+        if call.heads < 0:
+            return slice(None), slice(None)
+        split, group = HKV // 2, H // HKV
+        kv = slice(0, split) if call.heads == 0 else slice(split, HKV)
+        return slice(kv.start * group, kv.stop * group), kv
+
     def kernel_call(call, rank, acc):
         """One call of a rank's plan, into the fp32 accumulators `acc` (accumulate mode), or into bf16
         outputs of its own when acc is None."""
         mine, src = shards[rank], shards[call.source]
-        qs, ks = slice(call.q_rows[0], sum(call.q_rows)), slice(call.k_rows[0], sum(call.k_rows))
-        q_, k_, v_, lse_ = mine["q"][:, qs], src["k"][:, ks], src["v"][:, ks], mine["lse"][:, :, qs]
+        qh, kh = head_slices(call)
+        qs, ks = (slice(call.q_rows[0], sum(call.q_rows)), qh), (slice(call.k_rows[0], sum(call.k_rows)), kh)
+        rows = lambda t, r: t[(slice(None),) + r]  # noqa: E731  (B, rows, heads, D) by rows and heads
+        q_, k_, v_ = rows(mine["q"], qs), rows(src["k"], ks), rows(src["v"], ks)
+        lse_ = mine["lse"][:, qh, qs[0]]
         kw = dict(causal=True, q_offset=call.q_offset, k_offset=call.k_offset, accumulate=acc is not None,
                   stream=stream)
         if call.pass_name == "fwd":
-            o, l = (acc["out"][:, qs], acc["lse"][:, :, qs]) if acc is not None else (torch.empty_like(q_),
-                                                                                    torch.empty_like(lse_))
+            o, l = ((rows(acc["out"], qs), acc["lse"][:, qh, qs[0]]) if acc is not None
+                    else (torch.empty_like(q_), torch.empty_like(lse_)))
             return lambda: _C.attention_forward(q_, k_, v_, o, l, **kw)
-        grads = ((acc["dq"][:, qs], acc["dk"][:, ks], acc["dv"][:, ks]) if acc is not None
+        grads = ((rows(acc["dq"], qs), rows(acc["dk"], ks), rows(acc["dv"], ks)) if acc is not None
                  else tuple(torch.empty_like(t) for t in (q_, k_, v_)))
-        return lambda: _C.attention_backward(q_, k_, v_, mine["out"][:, qs], mine["dout"][:, qs], lse_, *grads, **kw)
+        return lambda: _C.attention_backward(q_, k_, v_, rows(mine["out"], qs), rows(mine["dout"], qs), lse_, *grads,
+                                             **kw)
 
     # Once, into fresh accumulators: a rank's forward calls must give its rows of out, its backward
     # calls its rows of dq (its dk and dv also take the other ranks' calls).
     checks = {}
     for rank in range(P):
         acc = accumulators(rank)
-        for call in zigzag_calls(P, rank, S):
+        for call in zigzag_calls(P, rank, S, HKV):
             kernel_call(call, rank, acc)()
         rel = lambda got, want: ((got - want.float()).abs().max() / want.float().abs().max()).item()  # noqa: E731
         checks[rank] = dict(out=rel(acc["out"], shards[rank]["out"]), dq=rel(acc["dq"], shard(dq, rank)))
@@ -175,14 +202,20 @@ def main(argv=None):
     print("check (max |calls - one call| / max |one call|):",
           ", ".join(f"rank {r} out {c['out']:.1e} dq {c['dq']:.1e}" for r, c in checks.items()), flush=True)
 
+    # Every call of every rank, accumulating and plain, and the one call over the sequence, timed in
+    # turn.
+    plans = [(rank, call) for rank in range(P) for call in zigzag_calls(P, rank, S, HKV)]
+    accs = {rank: accumulators(rank) for rank in range(P)}
+    fns = [one_call["fwd"], one_call["bwd"]]
+    for rank, call in plans:
+        fns += [kernel_call(call, rank, accs[rank]), kernel_call(call, rank, None)]
+    times = medians_ms(fns)
+    t1 = dict(fwd=times[0], bwd=times[1])
     rows = []
-    for rank in range(P):
-        acc = accumulators(rank)
-        for call in zigzag_calls(P, rank, S):
-            row = dict(rank=rank, **dataclasses.asdict(call), acc_ms=median_ms(kernel_call(call, rank, acc)),
-                       plain_ms=median_ms(kernel_call(call, rank, None)))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for i, (rank, call) in enumerate(plans):
+        row = dict(rank=rank, **dataclasses.asdict(call), acc_ms=times[2 + 2 * i], plain_ms=times[3 + 2 * i])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
 
     def per_rank(key):
         """{(rank, pass): the sum of its calls' `key` medians}."""

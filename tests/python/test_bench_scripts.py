@@ -90,19 +90,23 @@ def test_a_profile_splits_the_gpus_idle_time_by_what_it_waited_for():
     assert cp_profile.host_waits([])["gaps"] == []
 
 
+@pytest.mark.parametrize("heads_kv", [1, 8])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_zigzag_step_calls_cover_every_causal_pair_once_per_pass(world):
+def test_zigzag_step_calls_cover_every_causal_pair_once_per_pass(world, heads_kv):
     """bench/zigzag_steps_bench.py's plan of a rank's kernel calls: under each call's offsets (the
     kernel's causal mask over contiguous positions) a pair is visible exactly when it is under the
-    true positions, and over every rank the calls of each pass see each causal pair once."""
+    true positions, and over every rank the calls of each pass see each causal pair once in each
+    half of the K/V heads (a call on every head sees it in both)."""
     import zigzag_steps_bench as zz
 
+    halves = {-1: (0, 1), 0: (0,), 1: (1,)}
     seqlen = 4 * world * 3  # chunks of 6 rows
     for pass_name in ("fwd", "bwd"):
         seen = {}
         for rank in range(world):
-            calls = [c for c in zz.zigzag_calls(world, rank, seqlen) if c.pass_name == pass_name]
-            assert len(calls) == world + (pass_name == "bwd")
+            calls = [c for c in zz.zigzag_calls(world, rank, seqlen, heads_kv) if c.pass_name == pass_name]
+            assert len(calls) == world + (pass_name == "bwd" and world > 1)
+            assert all(c.heads == -1 for c in calls) or (pass_name == "bwd" and heads_kv > 1)
             q_pos = zz.zigzag_positions(world, rank, seqlen)
             for c in calls:
                 k_pos = zz.zigzag_positions(world, c.source, seqlen)
@@ -110,10 +114,10 @@ def test_zigzag_step_calls_cover_every_causal_pair_once_per_pass(world):
                     for j in range(c.k_rows[0], sum(c.k_rows)):
                         kernel_sees = c.k_offset + (j - c.k_rows[0]) <= c.q_offset + (i - c.q_rows[0])
                         assert kernel_sees == (k_pos[j] <= q_pos[i]), (rank, c, i, j)
-                        if kernel_sees:
-                            pair = (q_pos[i], k_pos[j])
-                            seen[pair] = seen.get(pair, 0) + 1
-        assert seen == {(i, j): 1 for i in range(seqlen) for j in range(i + 1)}
+                        for half in halves[c.heads] if kernel_sees else ():
+                            key = (q_pos[i], k_pos[j], half)
+                            seen[key] = seen.get(key, 0) + 1
+        assert seen == {(i, j, h): 1 for i in range(seqlen) for j in range(i + 1) for h in (0, 1)}
 
 
 def test_zigzag_step_plan_refuses_lengths_that_do_not_split(capsys):
