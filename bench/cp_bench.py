@@ -37,6 +37,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -149,21 +150,29 @@ class Ranks:
         torch.cuda.synchronize()
 
 
+def back_to_back(fn, inputs, iters):
+    """`iters` calls of fn(*inputs[i % len(inputs)]) back to back, as the peer times them: each
+    call's ms between CUDA events (a synchronize after it), and the host clock (ms since the epoch)
+    at its start."""
+    times, starts = [], []
+    for i in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        starts.append(time.time_ns() / 1e6)
+        start.record()
+        fn(*inputs[i % len(inputs)])
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, starts
+
+
 def time_ms(fn, inputs, warmup, iters, ranks):
     """Median ms of fn(*inputs[i % len(inputs)]) on this rank, as the peer times it."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     torch.cuda.synchronize()
     ranks.barrier()
-    times = []
-    for i in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*inputs[i % len(inputs)])
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(back_to_back(fn, inputs, iters)[0])
 
 
 def pass_fn(attend, pass_name):

@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import ringflash
 from ringflash.parallel import parallel_attention, shard_positions
 from bench_util import int_list
-from cp_bench import PASSES, Ranks, make_inputs, name_list, pass_fn, shard
+from cp_bench import PASSES, Ranks, back_to_back, make_inputs, name_list, pass_fn, shard
 
 SLEEP_CYCLES = 200_000_000  # about 0.1 s at Hopper's clocks: longer than any enqueue measured here
 KINDS = ("attention", "nccl", "copy", "memset", "other")
@@ -80,17 +80,10 @@ def timings(fn, inputs, ranks, warmup, iters):
     ended and where the sync and busy calls ended."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
-    b2b, starts, sync, busy, host = [], [], [], [], []
+    sync, busy, host = [], [], []
     ranks.barrier()
     phases = [time.time()]
-    for i in range(iters):  # as cp_bench.time_ms
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        starts.append(time.time_ns() / 1e6)
-        start.record()
-        fn(*inputs[i % len(inputs)])
-        end.record()
-        torch.cuda.synchronize()
-        b2b.append(start.elapsed_time(end))
+    b2b, starts = back_to_back(fn, inputs, iters)
     phases.append(time.time())
     spread = [max(t) - min(t) for t in zip(*(ranks.gather_list(starts)))]
     for i in range(iters):

@@ -415,12 +415,14 @@ class Ring {
     return {half == 0 ? Block{0, split} : Block{split, keys.count - split}, all_heads()};
   }
 
-  // Heads `h` of a (B, rows, H, D) tensor of K/V heads, or of query heads.
-  static TensorView kv_heads(const TensorView& t, const Heads& h) { return narrow(t, 2, h.first, h.count); }
-  TensorView q_heads(const TensorView& t, const Heads& h) const {
+  // The query heads that attend to K/V heads `h`.
+  Heads query_heads(const Heads& h) const {
     const int64_t group = p_.heads_q / p_.heads_kv;
-    return narrow(t, 2, h.first * group, h.count * group);
+    return {h.first * group, h.count * group};
   }
+
+  // Heads `h` of a (B, rows, H, D) tensor.
+  static TensorView heads(const TensorView& t, const Heads& h) { return narrow(t, 2, h.first, h.count); }
 
   // Readies the rows and heads of `part` of the fp32 dK/dV of `rank`'s block at `grads` for
   // `calls`. When their key blocks are disjoint: zeros in the rows that none of them covers, and
@@ -431,7 +433,7 @@ class Ring {
     const KeyValues views = grad_views(grads, rank);
     for (const Block& zeros : gaps ? *gaps : std::vector<Block>{part.keys})
       for (const TensorView& t : {views.k, views.v})
-        if (zeros.count > 0 && part.heads.count > 0) kernels::fill(kv_heads(rows(t, zeros), part.heads), 0.0f, stream_);
+        if (zeros.count > 0 && part.heads.count > 0) kernels::fill(heads(rows(t, zeros), part.heads), 0.0f, stream_);
     return gaps.has_value();
   }
 
@@ -443,13 +445,13 @@ class Ring {
     if (h.count == 0) return;
     AttentionParams params = c.params;
     params.overwrite_dkdv = overwrite;
-    const int64_t group = p_.heads_q / p_.heads_kv;
-    if (params.alibi_slopes) params.alibi_slopes = narrow(*params.alibi_slopes, -1, h.first * group, h.count * group);
-    const auto q_rows = [&](const TensorView& t) { return q_heads(rows(t, c.q), h); };
-    const auto k_rows = [&](const TensorView& t) { return kv_heads(rows(t, c.k), h); };
+    const Heads hq = query_heads(h);
+    if (params.alibi_slopes) params.alibi_slopes = narrow(*params.alibi_slopes, -1, hq.first, hq.count);
+    const auto q_rows = [&](const TensorView& t) { return heads(rows(t, c.q), hq); };
+    const auto k_rows = [&](const TensorView& t) { return heads(rows(t, c.k), h); };
     attention_backward(q_rows(q_), k_rows(kv.k), k_rows(kv.v), q_rows(out), q_rows(dout),
-                       narrow(lse_rows(lse, c.q), 1, h.first * group, h.count * group), q_rows(dq_acc),
-                       k_rows(grads.k), k_rows(grads.v), params);
+                       narrow(lse_rows(lse, c.q), 1, hq.first, hq.count), q_rows(dq_acc), k_rows(grads.k),
+                       k_rows(grads.v), params);
   }
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
