@@ -14,7 +14,10 @@ rank's shard), per pass:
   sync  the same with a barrier of all ranks before each call;
   busy  the same, with the GPU held by a sleep kernel while the host enqueues the call, so that
         only the GPU's own time counts (sync - busy: the host's exposed share);
-  host  median ms of the host's own time to enqueue the call (measured while the GPU is held).
+  host  median ms of the host's own time to enqueue the call (measured while the GPU is held);
+  J     the GPU's energy per b2b call (NVML's counter across the b2b calls, host gaps included;
+        "-" where NVML is not there), and W its mean power over them. Under the power cap the
+        clock follows the energy a call needs: 2 J(P) / J(1) above 1 is work that P GPUs add.
 Each is the largest over the ranks; every rank's is printed below the table and kept in the JSON.
 
 Then one call of each (--profile-calls N: N back to back) under torch.profiler on --trace-rank
@@ -28,7 +31,9 @@ first GPU activity. Rank 0 prints the tables and writes DIR/cp_profile.json.
 """
 
 import argparse
+import ctypes
 import json
+from math import nan
 import os
 import statistics
 import sys
@@ -74,17 +79,48 @@ def parse_args(argv=None):
     return args
 
 
-def timings(fn, inputs, ranks, warmup, iters):
+class EnergyCounter:
+    """NVML's energy counter of one GPU (mJ since the driver loaded), or None where NVML or the
+    counter is not there."""
+
+    def __init__(self, device):
+        self.lib, self.handle = None, ctypes.c_void_p()
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            props = torch.cuda.get_device_properties(device)
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+            if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(self.handle)) == 0:
+                self.lib = lib
+        except (OSError, AttributeError, RuntimeError, AssertionError):  # no NVML, no CUDA device
+            pass
+        if self.read() is None:
+            self.lib = None
+
+    def read(self):
+        if self.lib is None:
+            return None
+        mj = ctypes.c_ulonglong()
+        return mj.value if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)) == 0 else None
+
+
+def timings(fn, inputs, ranks, warmup, iters, energy):
     """Median (b2b ms, skew ms, sync ms, busy ms, host ms) of fn over the input sets, every rank at
-    the same time, and the host's clock (s since the epoch) where the b2b calls began, where they
-    ended and where the sync and busy calls ended."""
+    the same time; J per b2b call and mean W over them (None without a counter); and the host's
+    clock (s since the epoch) where the b2b calls began, where they ended and where the sync and
+    busy calls ended."""
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
     sync, busy, host = [], [], []
     ranks.barrier()
     phases = [time.time()]
+    mj0 = energy.read()
     b2b, starts = back_to_back(fn, inputs, iters)
+    mj1 = energy.read()
     phases.append(time.time())
+    joules = watts = None
+    if mj0 is not None and mj1 is not None:
+        joules = (mj1 - mj0) / 1e3 / iters
+        watts = (mj1 - mj0) / 1e3 / (phases[1] - phases[0])
     spread = [max(t) - min(t) for t in zip(*(ranks.gather_list(starts)))]
     for i in range(iters):
         args = inputs[i % len(inputs)]
@@ -105,7 +141,7 @@ def timings(fn, inputs, ranks, warmup, iters):
         torch.cuda.synchronize()
         busy.append(start.elapsed_time(end))
     phases.append(time.time())
-    return (*(statistics.median(x) for x in (b2b, spread, sync, busy, host)), phases)
+    return (*(statistics.median(x) for x in (b2b, spread, sync, busy, host)), joules, watts, phases)
 
 
 def kind_of(name):
@@ -205,10 +241,16 @@ def gpu_profile(fn, inputs, trace_path, calls=1):
     return dict(summarize(events), waits=host_waits(events))
 
 
+def fixed(value, width, digits):
+    """value right-aligned in width with `digits` decimals, or "-" for None."""
+    return f"{value:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     ranks = Ranks()
     device = ranks.device
+    energy = EnergyCounter(device)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for heads_kv in args.heads_kv:
@@ -225,11 +267,18 @@ def main(argv=None):
         for pass_name in args.passes:
             for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
                 fn = pass_fn(attend, pass_name)
-                b2b, skew, sync, busy, host, phases = timings(fn, inputs, ranks, args.warmup, args.iters)
+                b2b, skew, sync, busy, host, joules, watts, phases = timings(
+                    fn, inputs, ranks, args.warmup, args.iters, energy)
                 row = dict(heads_kv=heads_kv, pass_name=pass_name, world=world, skew_ms=skew, phases=phases)
                 for name, value in (("b2b", b2b), ("sync", sync), ("busy", busy), ("host", host)):
                     row[f"{name}_ranks"] = ranks.gather(value)
                     row[f"{name}_ms"] = max(row[f"{name}_ranks"])
+                # NaN on a rank without a counter; None in the JSON where no rank has one.
+                both = ranks.gather_list([nan if joules is None else joules, nan if watts is None else watts])
+                for i, name in enumerate(("joules", "watts")):
+                    row[f"{name}_ranks"] = [x[i] for x in both]
+                    known = [x for x in row[f"{name}_ranks"] if x == x]
+                    row[name] = max(known) if known else None
                 ranks.barrier()
                 if args.trace_all or ranks.rank == args.trace_rank:
                     trace = os.path.join(args.out, f"trace_hkv{heads_kv}_{pass_name}_p{world}_rank{ranks.rank}.json")
@@ -258,19 +307,21 @@ def main(argv=None):
             json.dump(dict(strategy=args.strategy, seqlen=args.seqlen, world=ranks.world, rows=rows), f, indent=1)
         print(f"\n### cp_profile: {args.strategy}, S {args.seqlen}, {ranks.world} x "
               f"{torch.cuda.get_device_name(device)}; ms; the profile is rank {args.trace_rank}'s")
-        print(f"{'hkv':>4} {'pass':>7} {'P':>2} | {'b2b':>7} {'skew':>5} {'sync':>7} {'busy':>7} {'host':>6} | "
+        print(f"{'hkv':>4} {'pass':>7} {'P':>2} | {'b2b':>7} {'skew':>5} {'sync':>7} {'busy':>7} {'host':>6} "
+              f"{'J':>6} {'W':>5} | "
               + " ".join(f"{k:>9}" for k in KINDS) + f" | {'span':>7} {'idle':>6} | {'start':>6} {'w.host':>6} "
               f"{'w.other':>7}")
         for r in rows:
             p, w = r["profile"], r["profile"]["waits"]
             print(f"{r['heads_kv']:>4} {r['pass_name']:>7} {r['world']:>2} | {r['b2b_ms']:7.2f} {r['skew_ms']:5.2f} "
-                  f"{r['sync_ms']:7.2f} {r['busy_ms']:7.2f} {r['host_ms']:6.2f} | "
+                  f"{r['sync_ms']:7.2f} {r['busy_ms']:7.2f} {r['host_ms']:6.2f} {fixed(r['joules'], 6, 3)} "
+                  f"{fixed(r['watts'], 5, 0)} | "
                   + " ".join(f"{p[k]:9.2f}" for k in KINDS)
                   + f" | {p['span']:7.2f} {p['idle']:6.2f} | {w['start']:6.2f} {w['host']:6.2f} {w['other']:7.2f}",
                   flush=True)
-        print("\nper rank (ms): " + "; ".join(
+        print("\nper rank (ms; joules J per call): " + "; ".join(
             f"hkv {r['heads_kv']} {r['pass_name']} P {r['world']}: "
-            + ", ".join(f"{n} " + "/".join(f"{x:.2f}" for x in r[f"{n}_ranks"]) for n in ("b2b", "sync", "busy"))
+            + ", ".join(f"{n} " + "/".join(f"{x:.2f}" for x in r[f"{n}_ranks"]) for n in ("b2b", "sync", "busy", "joules"))
             for r in rows if r["world"] > 1))
         for r in rows if args.timeline else []:
             if r["world"] == 1:

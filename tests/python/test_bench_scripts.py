@@ -67,6 +67,15 @@ def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():
     assert cp_profile.summarize([])["span"] == 0.0
 
 
+def test_a_profile_prints_energy_where_a_counter_is_there():
+    import cp_profile
+
+    assert cp_profile.fixed(None, 6, 3) == "     -"
+    assert cp_profile.fixed(1.23456, 6, 3) == " 1.235"
+    if not cp_profile.torch.cuda.is_available():  # no GPU, no counter: "-" in the table
+        assert cp_profile.EnergyCounter("cpu").read() is None
+
+
 def test_a_profile_splits_the_gpus_idle_time_by_what_it_waited_for():
     import cp_profile
 
