@@ -11,7 +11,10 @@ calls that src/parallel/ring.cpp makes, in accumulate mode into fp32 (`zigzag_ca
             rows (s > r);
   backward  its own block in two halves of its K/V heads (each 2c x 2c, causal; of its key rows,
             2c x c then c x c, with one K/V head), the rectangles between them.
-Each call is also timed writing bf16 (plain), so the accumulate mode's own cost shows. Every call,
+The calls take the ring's options: the forward's first call writes the accumulator
+(overwrite_out), its last writes the merged rows in bf16 (final_out), and every backward call writes
+its fp32 dK/dV (overwrite_dkdv: zigzag's calls into a buffer are disjoint). Each call is also timed
+writing bf16 (plain), so the accumulate mode's own cost shows. Every call,
 and the one call over the sequence, is timed in turn, one call at a time (medians_ms). Before
 timing, each rank's calls run once into fresh accumulators and must give its rows of the one
 call's out and dq (cp_bench's limits); exit status 1 if not. Per rank, the sum of its calls'
@@ -159,7 +162,7 @@ def main(argv=None):
         mine = shards[rank]
         zeros = lambda like: torch.zeros(like.shape, device=dev, dtype=f32)  # noqa: E731
         return dict(out=zeros(mine["q"]), lse=torch.full_like(mine["lse"], float("-inf")), dq=zeros(mine["q"]),
-                    dk=zeros(mine["k"]), dv=zeros(mine["k"]))
+                    dk=zeros(mine["k"]), dv=zeros(mine["k"]), final=torch.zeros_like(mine["q"]))
 
     def head_slices(call):
         """The query and K/V heads of a call: all, or a half of the K/V heads and their query heads."""
@@ -183,7 +186,12 @@ def main(argv=None):
         if call.pass_name == "fwd":
             o, l = ((rows(acc["out"], qs), acc["lse"][:, qh, qs[0]]) if acc is not None
                     else (torch.empty_like(q_), torch.empty_like(lse_)))
+            if acc is not None:  # the ring's first and last steps (one step: both)
+                fwd = [c for c in zigzag_calls(P, rank, S, HKV) if c.pass_name == "fwd"]
+                kw.update(overwrite_out=call == fwd[0], final_out=rows(acc["final"], qs) if call == fwd[-1] else None)
             return lambda: _C.attention_forward(q_, k_, v_, o, l, **kw)
+        if acc is not None:
+            kw.update(overwrite_dkdv=True)
         grads = ((rows(acc["dq"], qs), rows(acc["dk"], ks), rows(acc["dv"], ks)) if acc is not None
                  else tuple(torch.empty_like(t) for t in (q_, k_, v_)))
         return lambda: _C.attention_backward(q_, k_, v_, rows(mine["out"], qs), rows(mine["dout"], qs), lse_, *grads,
@@ -197,7 +205,11 @@ def main(argv=None):
         for call in zigzag_calls(P, rank, S, HKV):
             kernel_call(call, rank, acc)()
         rel = lambda got, want: ((got - want.float()).abs().max() / want.float().abs().max()).item()  # noqa: E731
-        checks[rank] = dict(out=rel(acc["out"], shards[rank]["out"]), dq=rel(acc["dq"], shard(dq, rank)))
+        # The last forward call's rows are in `final` (bf16), the others in the fp32 accumulator.
+        last = [c for c in zigzag_calls(P, rank, S, HKV) if c.pass_name == "fwd"][-1]
+        out_ = acc["out"].clone()
+        out_[:, last.q_rows[0]:sum(last.q_rows)] = acc["final"][:, last.q_rows[0]:sum(last.q_rows)].float()
+        checks[rank] = dict(out=rel(out_, shards[rank]["out"]), dq=rel(acc["dq"], shard(dq, rank)))
     failed = [r for r, c in checks.items() if not (c["out"] <= 5e-2 and c["dq"] <= 1e-1)]  # cp_bench's limits
     print("check (max |calls - one call| / max |one call|):",
           ", ".join(f"rank {r} out {c['out']:.1e} dq {c['dq']:.1e}" for r, c in checks.items()), flush=True)
