@@ -166,40 +166,20 @@ __device__ __forceinline__ void add_tile_16x8(float* dst, int row_stride, const 
   add_pair(at + 8 * row_stride, c[2] * scale, c[3] * scale);
 }
 
-// A row of a gradient: the pairs x[j] at columns col0 + 8 j + 2 (lane % 4) and the next, for the j
-// with col0 + 8 j below the head dim. Rounded to T; or in accumulate mode added to the fp32 gradient
-// (written instead where `add` is false: dK and dV with overwrite_dkdv). Adding, the loads of up to
-// 16 pairs go out before their first store: with a store between two loads, which may alias for all
-// the compiler knows, each load waited for the one before it.
-template <typename T, int kN>
-__device__ __forceinline__ void store_grad_row(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o,
-                                               int64_t b, int64_t row, int64_t h, int col0, int lane,
-                                               const float2 (&x)[kN], bool add = true) {
-  const int head_dim = static_cast<int>(a.head_dim), col = col0 + (lane % 4) * 2;
+// Elements col, col + 1 of a gradient row: rounded to T, or in accumulate mode added to the fp32
+// gradient (written instead where `add` is false: dK and dV with overwrite_dkdv).
+template <typename T>
+__device__ __forceinline__ void store_grad_pair(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o,
+                                                int64_t b, int64_t row, int64_t h, int col, float x, float y,
+                                                bool add = true) {
   if (!a.accumulate) {
-    T* dst = row_ptr<T>(o, b, row, h) + col;
-#pragma unroll
-    for (int j = 0; j < kN; ++j)
-      if (col0 + j * 8 < head_dim) *reinterpret_cast<uint32_t*>(dst + 8 * j) = Mma<T>::pack(x[j].x, x[j].y);
-    return;
-  }
-  float2* dst = reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col);
-  if (!add) {
-#pragma unroll
-    for (int j = 0; j < kN; ++j)
-      if (col0 + j * 8 < head_dim) dst[4 * j] = x[j];
-    return;
-  }
-  constexpr int kBatch = kN < 16 ? kN : 16;  // 32 registers of old values
-#pragma unroll
-  for (int j0 = 0; j0 < kN; j0 += kBatch) {
-    float2 old[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
-      if (col0 + (j0 + i) * 8 < head_dim) old[i] = dst[4 * (j0 + i)];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
-      if (col0 + (j0 + i) * 8 < head_dim) dst[4 * (j0 + i)] = make_float2(old[i].x + x[j0 + i].x, old[i].y + x[j0 + i].y);
+    *reinterpret_cast<uint32_t*>(row_ptr<T>(o, b, row, h) + col) = Mma<T>::pack(x, y);
+  } else if (!add) {
+    *reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col) = make_float2(x, y);
+  } else {
+    float2* g = reinterpret_cast<float2*>(row_ptr<float>(o, b, row, h) + col);
+    const float2 old = *g;
+    *g = make_float2(old.x + x, old.y + y);
   }
 }
 
@@ -490,6 +470,7 @@ struct Backward {
                                                     int col0, const float (&dk)[2][kDT][4],
                                                     const float (&dv)[2][kDT][4], int lane, int key0) {
     const core::AttentionArgs& a = p.a;
+    const int head_dim = static_cast<int>(a.head_dim);
     const float scale = p.softmax_scale;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -497,14 +478,16 @@ struct Backward {
       for (int half = 0; half < 2; ++half) {
         const int key = key0 + mt * 16 + lane / 4 + half * 8;
         if (key >= valid_n) continue;
-        float2 k_row[kDT], v_row[kDT];
+        const int64_t row = row0 + key;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
-          k_row[dt] = make_float2(dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale);
-          v_row[dt] = make_float2(dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1]);
+          if (col0 + dt * 8 >= head_dim) break;
+          const int col = col0 + dt * 8 + (lane % 4) * 2;
+          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale,
+                             !a.overwrite_dkdv);
+          store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1],
+                             !a.overwrite_dkdv);
         }
-        store_grad_row<T>(a, a.dk, b, row0 + key, hk, col0, lane, k_row, !a.overwrite_dkdv);
-        store_grad_row<T>(a, a.dv, b, row0 + key, hk, col0, lane, v_row, !a.overwrite_dkdv);
       }
   }
 };
@@ -630,11 +613,13 @@ struct DqPass {
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + lane / 4 + half * 8;
       if (r >= rows) continue;
-      float2 dq_row[kDT];
+      const int64_t row = seq.row_q + q0 + r;
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt)
-        dq_row[dt] = make_float2(dq[dt][2 * half] * p.softmax_scale, dq[dt][2 * half + 1] * p.softmax_scale);
-      store_grad_row<T>(a, a.dq, b, seq.row_q + q0 + r, h, 0, lane, dq_row);
+      for (int dt = 0; dt < kDT; ++dt) {
+        if (dt * 8 >= a.head_dim) break;
+        store_grad_pair<T>(a, a.dq, b, row, h, dt * 8 + (lane % 4) * 2, dq[dt][2 * half] * p.softmax_scale,
+                           dq[dt][2 * half + 1] * p.softmax_scale);
+      }
     }
   }
 };

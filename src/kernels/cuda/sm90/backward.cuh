@@ -532,20 +532,20 @@ struct Backward {
                                                     int key0, int col0, const float (&dk)[kN * 4],
                                                     const float (&dv)[kN * 4], int lane) {
     const core::AttentionArgs& a = p.a;
+    const int head_dim = static_cast<int>(a.head_dim);
     const float scale = p.softmax_scale;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int key = key0 + lane / 4 + half * 8;
       if (key >= valid_n) continue;
-      float2 k_row[kN], v_row[kN];
 #pragma unroll
       for (int j = 0; j < kN; ++j) {
+        if (col0 + j * 8 >= head_dim) break;
+        const int col = col0 + j * 8 + (lane % 4) * 2;
         const int e = 4 * j + 2 * half;
-        k_row[j] = make_float2(dk[e] * scale, dk[e + 1] * scale);
-        v_row[j] = make_float2(dv[e], dv[e + 1]);
+        store_grad_pair<T>(a, a.dk, b, row0 + key, hk, col, dk[e] * scale, dk[e + 1] * scale, !a.overwrite_dkdv);
+        store_grad_pair<T>(a, a.dv, b, row0 + key, hk, col, dv[e], dv[e + 1], !a.overwrite_dkdv);
       }
-      store_grad_row<T>(a, a.dk, b, row0 + key, hk, col0, lane, k_row, !a.overwrite_dkdv);
-      store_grad_row<T>(a, a.dv, b, row0 + key, hk, col0, lane, v_row, !a.overwrite_dkdv);
     }
   }
 };

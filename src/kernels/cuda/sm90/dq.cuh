@@ -194,15 +194,17 @@ struct BackwardDq {
     keep(dq);
 
     const float scale = p.softmax_scale;
+    const int head_dim = static_cast<int>(a.head_dim);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp_row0 + lane / 4 + half * 8;
       if (r >= rows) continue;
-      float2 dq_row[kHeadDim / 8];
 #pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j)
-        dq_row[j] = make_float2(dq[4 * j + 2 * half] * scale, dq[4 * j + 2 * half + 1] * scale);
-      store_grad_row<T>(a, a.dq, b, seq.row_q + q0 + r, h, 0, lane, dq_row);
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+        if (j * 8 >= head_dim) break;
+        store_grad_pair<T>(a, a.dq, b, seq.row_q + q0 + r, h, j * 8 + (lane % 4) * 2, dq[4 * j + 2 * half] * scale,
+                           dq[4 * j + 2 * half + 1] * scale);
+      }
     }
   }
 };
