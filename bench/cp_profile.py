@@ -17,7 +17,8 @@ rank's shard), per pass:
   host  median ms of the host's own time to enqueue the call (measured while the GPU is held);
   J     the GPU's energy per b2b call (NVML's counter across the b2b calls, host gaps included;
         "-" where NVML is not there), and W its mean power over them. Under the power cap the
-        clock follows the energy a call needs: 2 J(P) / J(1) above 1 is work that P GPUs add.
+        clock follows the energy a call needs: P J(P) / J(1) above 1 is work that P GPUs add.
+        The counter needs about half a second of calls: raise -n for short ones.
 Each is the largest over the ranks; every rank's is printed below the table and kept in the JSON.
 
 Then one call of each (--profile-calls N: N back to back) under torch.profiler on --trace-rank
@@ -273,11 +274,11 @@ def main(argv=None):
                 for name, value in (("b2b", b2b), ("sync", sync), ("busy", busy), ("host", host)):
                     row[f"{name}_ranks"] = ranks.gather(value)
                     row[f"{name}_ms"] = max(row[f"{name}_ranks"])
-                # NaN on a rank without a counter; None in the JSON where no rank has one.
+                # NaN on the way from a rank without a counter; None in the JSON.
                 both = ranks.gather_list([nan if joules is None else joules, nan if watts is None else watts])
                 for i, name in enumerate(("joules", "watts")):
-                    row[f"{name}_ranks"] = [x[i] for x in both]
-                    known = [x for x in row[f"{name}_ranks"] if x == x]
+                    row[f"{name}_ranks"] = [x[i] if x[i] == x[i] else None for x in both]
+                    known = [x for x in row[f"{name}_ranks"] if x is not None]
                     row[name] = max(known) if known else None
                 ranks.barrier()
                 if args.trace_all or ranks.rank == args.trace_rank:
@@ -321,7 +322,7 @@ def main(argv=None):
                   flush=True)
         print("\nper rank (ms; joules J per call): " + "; ".join(
             f"hkv {r['heads_kv']} {r['pass_name']} P {r['world']}: "
-            + ", ".join(f"{n} " + "/".join(f"{x:.2f}" for x in r[f"{n}_ranks"]) for n in ("b2b", "sync", "busy", "joules"))
+            + ", ".join(f"{n} " + "/".join(fixed(x, 0, 2) for x in r[f"{n}_ranks"]) for n in ("b2b", "sync", "busy", "joules"))
             for r in rows if r["world"] > 1))
         for r in rows if args.timeline else []:
             if r["world"] == 1:

@@ -72,6 +72,7 @@ def test_a_profile_prints_energy_where_a_counter_is_there():
 
     assert cp_profile.fixed(None, 6, 3) == "     -"
     assert cp_profile.fixed(1.23456, 6, 3) == " 1.235"
+    assert cp_profile.fixed(None, 0, 2) == "-" and cp_profile.fixed(22.5849, 0, 2) == "22.58"
     if not cp_profile.torch.cuda.is_available():  # no GPU, no counter: "-" in the table
         assert cp_profile.EnergyCounter("cpu").read() is None
 
