@@ -164,6 +164,10 @@ def main(argv=None):
         return dict(out=zeros(mine["q"]), lse=torch.full_like(mine["lse"], float("-inf")), dq=zeros(mine["q"]),
                     dk=zeros(mine["k"]), dv=zeros(mine["k"]), final=torch.zeros_like(mine["q"]))
 
+    # Each rank's forward calls: the ring's first step writes the accumulator, its last rounds the
+    # merged rows into out.
+    fwd_calls = {r: [c for c in zigzag_calls(P, r, S, HKV) if c.pass_name == "fwd"] for r in range(P)}
+
     def head_slices(call):
         """The query and K/V heads of a call: all, or a half of the K/V heads and their query heads."""
         if call.heads < 0:
@@ -187,8 +191,8 @@ def main(argv=None):
             o, l = ((rows(acc["out"], qs), acc["lse"][:, qh, qs[0]]) if acc is not None
                     else (torch.empty_like(q_), torch.empty_like(lse_)))
             if acc is not None:  # the ring's first and last steps (one step: both)
-                fwd = [c for c in zigzag_calls(P, rank, S, HKV) if c.pass_name == "fwd"]
-                kw.update(overwrite_out=call == fwd[0], final_out=rows(acc["final"], qs) if call == fwd[-1] else None)
+                first, last = fwd_calls[rank][0], fwd_calls[rank][-1]
+                kw.update(overwrite_out=call == first, final_out=rows(acc["final"], qs) if call == last else None)
             return lambda: _C.attention_forward(q_, k_, v_, o, l, **kw)
         if acc is not None:
             kw.update(overwrite_dkdv=True)
@@ -206,7 +210,7 @@ def main(argv=None):
             kernel_call(call, rank, acc)()
         rel = lambda got, want: ((got - want.float()).abs().max() / want.float().abs().max()).item()  # noqa: E731
         # The last forward call's rows are in `final` (bf16), the others in the fp32 accumulator.
-        last = [c for c in zigzag_calls(P, rank, S, HKV) if c.pass_name == "fwd"][-1]
+        last = fwd_calls[rank][-1]
         out_ = acc["out"].clone()
         out_[:, last.q_rows[0]:sum(last.q_rows)] = acc["final"][:, last.q_rows[0]:sum(last.q_rows)].float()
         checks[rank] = dict(out=rel(out_, shards[rank]["out"]), dq=rel(acc["dq"], shard(dq, rank)))
