@@ -11,7 +11,10 @@
 // computes. The backward splits its own block in two halves of its K/V heads (of its key rows
 // with one K/V head): the first at step 0 (under the first K/V transfer), the second after the
 // last step (under the last hop, which would otherwise run alone). With a window, the ring stops
-// after the last step any rank needs, so farther transfers never happen.
+// after the last step any rank needs, so farther transfers never happen. A transfer carries only
+// the rows that some rank reads: of a K/V block, the span of the key rows that its later holders'
+// calls see (zigzag on 2 ranks: half of rank 0's; a window: its reach into the block), and of a
+// partial on its last hop, the rows that the calls into it reached.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)
@@ -138,6 +141,8 @@ std::optional<AttentionParams> pair_params(const AttentionParams& base, const Ba
 struct Block {
   int64_t row = 0, count = 0;
 };
+
+constexpr Block kAllRows{0, std::numeric_limits<int64_t>::max()};
 
 // The rows of runs[first..last], which are consecutive.
 Block block_of(const std::vector<Run>& runs, size_t first, size_t last) {
@@ -349,9 +354,10 @@ class Ring {
       unsigned char* target = s == 1 ? carried : block;
       const std::vector<Call> step_calls = calls(src);
       // Step 1's partial travels on even if no pair reached it; a later step's block that no pair
-      // reached is simply not added.
-      const bool written =
-          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {{0, geo_.rows[src]}, all_heads()});
+      // reached is simply not added. A partial whose next hop is its last carries only the rows that
+      // some call reached, and only those need to be ready.
+      const Block ready = steps_ == 2 ? read_rows(src, 1) : Block{0, geo_.rows[src]};
+      const bool written = (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {ready, all_heads()});
       for (const Call& c : step_calls)
         backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written, all_heads());
       if (s > 1) {
@@ -359,30 +365,40 @@ class Ring {
         const int64_t n = 2 * rows_elements(src);
         if (!step_calls.empty()) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
-      if (s + 1 < steps_) grads_in = pass_grads(carried, src, partial[(s + 1) % 2], source(s + 1), next(), prev());
+      if (s + 1 < steps_)
+        grads_in = pass_grads(carried, src, {0, geo_.rows[src]}, partial[(s + 1) % 2], source(s + 1),
+                              {0, geo_.rows[source(s + 1)]}, next(), prev());
       if (kv_in) kv_in->wait();
     }
 
     // dK and dV: this rank's own plus the partial that arrives, summed and rounded in one pass. The
     // partial held last is of block (r - steps + 1) mod P: its last hop takes it home, during the
     // second half of this rank's own block, and this rank's own arrives from rank
-    // (r + steps - 1) mod P.
+    // (r + steps - 1) mod P. The hop carries the rows that the other ranks' calls reached; the
+    // rest of dK and dV is this rank's own.
     const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
     const KeyValues mine = grad_views(own, rank_);
+    Block reached{};
     if (steps_ > 1) {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
       unsigned char* arrived = partial[steps_ % 2];
+      reached = read_rows(rank_, 1);
       const std::unique_ptr<CommRequest> last =
-          pass_grads(partial[(steps_ - 1) % 2], home, arrived, rank_, home, from);
+          pass_grads(partial[(steps_ - 1) % 2], home, read_rows(home, 1), arrived, rank_, reached, home, from);
       own_part(1);
       last->wait();
       const KeyValues others = grad_views(arrived, rank_);
-      kernels::add(mine.k, others.k, dk, stream_);
-      kernels::add(mine.v, others.v, dv, stream_);
-    } else {
-      kernels::copy(mine.k, dk, stream_);
-      kernels::copy(mine.v, dv, stream_);
+      if (reached.count > 0) {
+        kernels::add(rows(mine.k, reached), rows(others.k, reached), rows(dk, reached), stream_);
+        kernels::add(rows(mine.v, reached), rows(others.v, reached), rows(dv, reached), stream_);
+      }
     }
+    const Block rest[2] = {{0, reached.row}, {reached.row + reached.count, geo_.rows[rank_] - reached.row - reached.count}};
+    for (const Block& r : rest)
+      if (r.count > 0) {
+        kernels::copy(rows(mine.k, r), rows(dk, r), stream_);
+        kernels::copy(rows(mine.v, r), rows(dv, r), stream_);
+      }
     if (own_dq) kernels::copy(dq_acc, dq, stream_);
   }
 
@@ -462,11 +478,14 @@ class Ring {
   // sees what they see (zigzag's steps always), else one call per pair. Fewer, larger calls leave
   // the GPU idle less at their ends. `keys` limits the calls to those rows of `src`'s (all by
   // default).
-  std::vector<Call> calls(int src, const Block& keys = {0, std::numeric_limits<int64_t>::max()}) const {
+  std::vector<Call> calls(int src, const Block& keys = kAllRows) const { return calls_of(rank_, src, keys); }
+
+  // The calls that rank `queries` makes against `src`'s K/V.
+  std::vector<Call> calls_of(int queries, int src, const Block& keys = kAllRows) const {
     std::vector<Call> out;
-    for (size_t group = 0; group < geo_.runs[rank_].size(); ++group) {
+    for (size_t group = 0; group < geo_.runs[queries].size(); ++group) {
       const AttentionParams base = group_params(static_cast<int64_t>(group));
-      const std::vector<Run>& qs = geo_.runs[rank_][group];
+      const std::vector<Run>& qs = geo_.runs[queries][group];
       const std::vector<Run> ks = clipped(geo_.runs[src][group], keys);
       struct Pair {
         size_t q, k;
@@ -485,13 +504,27 @@ class Ring {
         AttentionParams params = base;
         params.q_offset = qs[qa].piece.start;
         params.k_offset = ks[ka].piece.start;
-        out.push_back({block_of(qs, qa, qb), block_of(ks, ka, kb), params});
+        out.push_back(visible_keys({block_of(qs, qa, qb), block_of(ks, ka, kb), params}));
         continue;
       }
       for (const Pair& pair : pairs)
-        out.push_back({block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params});
+        out.push_back(visible_keys({block_of(qs, pair.q, pair.q), block_of(ks, pair.k, pair.k), pair.params}));
     }
     return out;
+  }
+
+  // The call cut to the key rows that one of its queries sees, which the kernel reads and the
+  // transfers carry (a window's reach into a block rather than all of it). Positions enter the
+  // mask and ALiBi only as differences, so the key offset moves with the first row.
+  static Call visible_keys(Call c) {
+    const Band band = band_of(c.params);
+    const int64_t q0 = c.params.q_offset, k0 = c.params.k_offset;
+    const int64_t first = band.left ? std::max<int64_t>(0, q0 - *band.left - k0) : 0;
+    const int64_t last = band.right ? std::min(c.k.count - 1, q0 + c.q.count - 1 + *band.right - k0) : c.k.count - 1;
+    if (first > last) return c;
+    c.k = {c.k.row + first, last - first + 1};
+    c.params.k_offset += first;
+    return c;
   }
 
   // The caller's options for the kernel calls of one group: accumulate mode, positions set per
@@ -548,35 +581,56 @@ class Ring {
   // The K/V visited at step s: this rank's own at step 0, then what step s - 1 received.
   KeyValues key_values(int s) const { return s == 0 ? home_ : kv_views(travel((s - 1) % 2), source(s)); }
 
-  // Posts the K/V of step s to the next rank and the receive of step s + 1's from the previous one.
+  // The rows of `block`'s K/V that the ranks holding it at steps [first, steps_) read: the span of
+  // their calls' key blocks (empty when none reads any). Every rank computes the same from the
+  // layout, so both ends of a transfer know what travels.
+  Block read_rows(int block, int first) const {
+    int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
+    for (int s = first; s < steps_; ++s)
+      for (const Call& c : calls_of((block + s) % world_, block)) {
+        begin = std::min(begin, c.k.row);
+        end = std::max(end, c.k.row + c.k.count);
+      }
+    return begin < end ? Block{begin, end - begin} : Block{};
+  }
+
+  // The messages that carry rows `span` of `t`, a contiguous (B, rows, ...) tensor: one per batch
+  // entry, or one in all where the rows of every entry travel. A tensor with rows of which none
+  // travels still sends an empty message, so that the ranks meet at every step as before (a rank
+  // that fails then fails its neighbours' steps too).
+  static void rows_ops(std::vector<P2POp>& ops, P2POp::Kind kind, int peer, const TensorView& t, const Block& span) {
+    if (t.numel() == 0) return;
+    if (span.count == 0) return ops.push_back({kind, peer, t.data(), 0});
+    // Bytes per row from the shape: a dimension of size 1 may have any stride.
+    const int64_t batch = t.size(0), rows = t.size(1);
+    const int64_t row_bytes = t.numel() / (batch * rows) * static_cast<int64_t>(dtype_size(t.dtype()));
+    const bool whole = batch == 1 || span.count == rows;
+    auto* data = static_cast<unsigned char*>(t.data());
+    const size_t bytes = static_cast<size_t>(span.count * row_bytes * (whole ? batch : 1));
+    for (int64_t b = 0; b < (whole ? 1 : batch); ++b)
+      ops.push_back({kind, peer, data + (b * rows + span.row) * row_bytes, bytes});
+  }
+
+  // Posts the K/V of step s to the next rank and the receive of step s + 1's from the previous one:
+  // only the rows that the block's holders from step s + 1 on read.
   std::unique_ptr<CommRequest> pass_kv(int s) {
     const KeyValues send = s == 0 ? home_send_ : kv_views(travel((s - 1) % 2), source(s));
     const KeyValues recv = kv_views(travel(s % 2), source(s + 1));
-    const size_t size = dtype_size(p_.k.dtype());
-    const size_t send_bytes = static_cast<size_t>(rows_elements(source(s))) * size;
-    const size_t recv_bytes = static_cast<size_t>(rows_elements(source(s + 1))) * size;
+    const Block send_rows = read_rows(source(s), s + 1), recv_rows = read_rows(source(s + 1), s + 1);
     std::vector<P2POp> ops;
-    if (send_bytes > 0) {
-      ops.push_back(send_op(next(), send.k.data(), send_bytes));
-      ops.push_back(send_op(next(), send.v.data(), send_bytes));
-    }
-    if (recv_bytes > 0) {
-      ops.push_back(recv_op(prev(), recv.k.data(), recv_bytes));
-      ops.push_back(recv_op(prev(), recv.v.data(), recv_bytes));
-    }
+    for (const TensorView& t : {send.k, send.v}) rows_ops(ops, P2POp::Kind::kSend, next(), t, send_rows);
+    for (const TensorView& t : {recv.k, recv.v}) rows_ops(ops, P2POp::Kind::kRecv, prev(), t, recv_rows);
     return comm_.send_recv(ops);
   }
 
-  // Sends the fp32 dK/dV partial ([dk | dv]) of block `block` at `send` to rank `to`, and receives
-  // that of block `incoming` from rank `from` into `recv`; each left out when empty (both ends know
-  // the sizes).
-  std::unique_ptr<CommRequest> pass_grads(unsigned char* send, int block, unsigned char* recv, int incoming, int to,
-                                          int from) {
-    const size_t send_bytes = static_cast<size_t>(2 * rows_elements(block)) * sizeof(float);
-    const size_t recv_bytes = static_cast<size_t>(2 * rows_elements(incoming)) * sizeof(float);
+  // Sends rows `send_rows` of the fp32 dK/dV partial ([dk | dv]) of block `block` at `send` to rank
+  // `to`, and receives rows `recv_rows` of that of block `incoming` from rank `from` into `recv`.
+  std::unique_ptr<CommRequest> pass_grads(unsigned char* send, int block, const Block& send_rows, unsigned char* recv,
+                                          int incoming, const Block& recv_rows, int to, int from) {
     std::vector<P2POp> ops;
-    if (send_bytes > 0) ops.push_back(send_op(to, send, send_bytes));
-    if (recv_bytes > 0) ops.push_back(recv_op(from, recv, recv_bytes));
+    const KeyValues out = grad_views(send, block), in = grad_views(recv, incoming);
+    for (const TensorView& t : {out.k, out.v}) rows_ops(ops, P2POp::Kind::kSend, to, t, send_rows);
+    for (const TensorView& t : {in.k, in.v}) rows_ops(ops, P2POp::Kind::kRecv, from, t, recv_rows);
     return comm_.send_recv(ops);
   }
 

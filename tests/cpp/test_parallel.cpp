@@ -594,19 +594,19 @@ TEST(ParallelFaults, RankFailsInsideTheRing) {
 
 // ---- transfers that a window makes unnecessary are skipped --------------------------------
 
-// Bytes rank 0 sends in one call of `strategy` over 4 ranks of S = 400 (100 rows each), fp32, 2 KV
-// heads of 16.
-uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask) {
-  ParallelCase c = make_case(strategy, backward, mask, 4, 2, 4);
-  c.seqlen = 400;
+// Bytes `rank` sends in one call of `strategy` over `world` ranks of S = 100 x world (100 rows
+// each), fp32, 2 KV heads of 16.
+uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask, int world = 4, int rank = 0) {
+  ParallelCase c = make_case(strategy, backward, mask, 4, 2, world);
+  c.seqlen = 100 * world;
   c.batch = 1;
   c.window_left = 10;
   uint64_t bytes = 0;
-  run_inproc(4, [&](Communicator& comm) {
+  run_inproc(world, [&](Communicator& comm) {
     RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
     comm.reset_stats();
     problem.run();
-    if (comm.rank() == 0) bytes = comm.stats().bytes_sent;
+    if (comm.rank() == rank) bytes = comm.stats().bytes_sent;
   });
   return bytes;
 }
@@ -615,10 +615,31 @@ constexpr uint64_t kBlockBytes = 100 * 2 * 16 * sizeof(float);  // one rank's K,
 
 TEST(ParallelTransfers, WindowSkipsFartherSteps) {
   SKIP_UNDER_MPI();
+  const uint64_t none = bytes_sent(Strategy::kRing, false, MaskKind::kNone);
   const uint64_t causal = bytes_sent(Strategy::kRing, false, MaskKind::kCausal);
   const uint64_t sliding = bytes_sent(Strategy::kRing, false, MaskKind::kCausalWindow);
-  // A window of 10 behind each query needs only the previous rank's K/V: one step instead of three.
-  EXPECT_EQ(causal - sliding, 2 * 2 * kBlockBytes) << "causal " << causal << " bytes, sliding window " << sliding;
+  // Without a mask rank 0 passes on K and V at each of three steps. Under a causal mask only its
+  // own travel (ranks 1-3 read them); the blocks of ranks 3 and 2 that it holds next are read by
+  // no rank after it. A window of 10 behind each query reads only the last 10 rows of rank 0's.
+  EXPECT_EQ(none - causal, 2 * 2 * kBlockBytes) << "no mask " << none << " bytes, causal " << causal;
+  EXPECT_EQ(causal - sliding, 2 * kBlockBytes * 9 / 10) << "causal " << causal << " bytes, sliding window " << sliding;
+}
+
+// Zigzag on 2 ranks of 100 rows (chunks of 50): rank 1's queries (chunks 1 and 2) read chunk 0 of
+// rank 0's keys, not chunk 3, so rank 0 sends half its K/V; rank 0's queries of chunk 3 read all of
+// rank 1's. The backward moves the K/V as the forward does, and each rank's dK/dV partial (fp32,
+// two tensors) of the rows it read: rank 0's of 100 rows, rank 1's of 50.
+TEST(ParallelTransfers, OnlyTheRowsThatARankReadsTravel) {
+  SKIP_UNDER_MPI();
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const uint64_t none = bytes_sent(Strategy::kZigzag, false, MaskKind::kNone, 2, rank);
+    const uint64_t causal = bytes_sent(Strategy::kZigzag, false, MaskKind::kCausal, 2, rank);
+    EXPECT_EQ(none - causal, rank == 0 ? kBlockBytes : 0) << "no mask " << none << " bytes, causal " << causal;
+    const uint64_t backward = bytes_sent(Strategy::kZigzag, true, MaskKind::kCausal, 2, rank);
+    EXPECT_EQ(backward - causal, rank == 0 ? 2 * kBlockBytes : kBlockBytes)
+        << "forward " << causal << ", backward " << backward;
+  }
 }
 
 // Backward moves the K/V as forward does, and dK/dV partials as far: P - 1 hops, since a block's
