@@ -74,8 +74,9 @@ __device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
 
 // dsum and lse2 of one query row and head per group of kDotLanes threads, each of which reads
 // eight columns in 16-byte loads (one thread per row read its row alone and ran at a fifth of the
-// memory bandwidth). Group i of the grid: query row i / heads of the tensor (over every sequence of
-// a padded batch), head i % heads.
+// memory bandwidth). Group i of the grid: head i / rows, query row i % rows of the tensor (over
+// every sequence of a padded batch), so that neighbouring groups read and write neighbouring
+// entries of lse and of the statistics (head by head, they wrote a word per 32-byte sector).
 template <int kHeadDim>
 constexpr int kDotLanes = kHeadDim / 8 < 16 ? kHeadDim / 8 : 16;
 
@@ -87,7 +88,7 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
   const bool valid = i < total_rows * a.heads_q;  // every lane goes on to the shuffles
-  const int64_t r = i / a.heads_q, h = i % a.heads_q;
+  const int64_t h = i / total_rows, r = i % total_rows;
   const int64_t b = r / a.rows_q, row = r % a.rows_q;
   float sum = 0.0f;
   if (valid) {
