@@ -76,7 +76,8 @@ __device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
 // eight columns in 16-byte loads (one thread per row read its row alone and ran at a fifth of the
 // memory bandwidth). Group i of the grid: head i / rows, query row i % rows of the tensor (over
 // every sequence of a padded batch), so that neighbouring groups read and write neighbouring
-// entries of lse and of the statistics (head by head, they wrote a word per 32-byte sector).
+// entries of lse and of the statistics (with the heads innermost, each group's words fell in
+// 32-byte sectors of their own).
 template <int kHeadDim>
 constexpr int kDotLanes = kHeadDim / 8 < 16 ? kHeadDim / 8 : 16;
 
