@@ -366,8 +366,8 @@ class Ring {
         if (!step_calls.empty()) kernels::add(flat(block, device_, n), flat(carried, device_, n), stream_);
       }
       if (s + 1 < steps_)
-        grads_in = pass_grads(carried, src, {0, geo_.rows[src]}, partial[(s + 1) % 2], source(s + 1),
-                              {0, geo_.rows[source(s + 1)]}, next(), prev());
+        grads_in = exchange(grad_views(carried, src), {0, geo_.rows[src]}, next(),
+                            grad_views(partial[(s + 1) % 2], source(s + 1)), {0, geo_.rows[source(s + 1)]}, prev());
       if (kv_in) kv_in->wait();
     }
 
@@ -383,8 +383,9 @@ class Ring {
       const int home = source(steps_ - 1), from = (rank_ + steps_ - 1) % world_;
       unsigned char* arrived = partial[steps_ % 2];
       reached = read_rows(rank_, 1);
-      const std::unique_ptr<CommRequest> last =
-          pass_grads(partial[(steps_ - 1) % 2], home, read_rows(home, 1), arrived, rank_, reached, home, from);
+      const std::unique_ptr<CommRequest> last = exchange(grad_views(partial[(steps_ - 1) % 2], home),
+                                                         read_rows(home, 1), home, grad_views(arrived, rank_),
+                                                         reached, from);
       own_part(1);
       last->wait();
       const KeyValues others = grad_views(arrived, rank_);
@@ -616,21 +617,16 @@ class Ring {
   std::unique_ptr<CommRequest> pass_kv(int s) {
     const KeyValues send = s == 0 ? home_send_ : kv_views(travel((s - 1) % 2), source(s));
     const KeyValues recv = kv_views(travel(s % 2), source(s + 1));
-    const Block send_rows = read_rows(source(s), s + 1), recv_rows = read_rows(source(s + 1), s + 1);
-    std::vector<P2POp> ops;
-    for (const TensorView& t : {send.k, send.v}) rows_ops(ops, P2POp::Kind::kSend, next(), t, send_rows);
-    for (const TensorView& t : {recv.k, recv.v}) rows_ops(ops, P2POp::Kind::kRecv, prev(), t, recv_rows);
-    return comm_.send_recv(ops);
+    return exchange(send, read_rows(source(s), s + 1), next(), recv, read_rows(source(s + 1), s + 1), prev());
   }
 
-  // Sends rows `send_rows` of the fp32 dK/dV partial ([dk | dv]) of block `block` at `send` to rank
-  // `to`, and receives rows `recv_rows` of that of block `incoming` from rank `from` into `recv`.
-  std::unique_ptr<CommRequest> pass_grads(unsigned char* send, int block, const Block& send_rows, unsigned char* recv,
-                                          int incoming, const Block& recv_rows, int to, int from) {
+  // Sends rows `send_rows` of a pair (K and V, or a dK/dV partial) to rank `to` and receives rows
+  // `recv_rows` of another pair from rank `from`, in one group.
+  std::unique_ptr<CommRequest> exchange(const KeyValues& send, const Block& send_rows, int to, const KeyValues& recv,
+                                        const Block& recv_rows, int from) {
     std::vector<P2POp> ops;
-    const KeyValues out = grad_views(send, block), in = grad_views(recv, incoming);
-    for (const TensorView& t : {out.k, out.v}) rows_ops(ops, P2POp::Kind::kSend, to, t, send_rows);
-    for (const TensorView& t : {in.k, in.v}) rows_ops(ops, P2POp::Kind::kRecv, from, t, recv_rows);
+    for (const TensorView& t : {send.k, send.v}) rows_ops(ops, P2POp::Kind::kSend, to, t, send_rows);
+    for (const TensorView& t : {recv.k, recv.v}) rows_ops(ops, P2POp::Kind::kRecv, from, t, recv_rows);
     return comm_.send_recv(ops);
   }
 
