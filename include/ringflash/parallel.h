@@ -21,6 +21,8 @@
 // shapes and dtypes of q, k, v.
 #pragma once
 
+#include <optional>
+
 #include "ringflash/attention.h"
 #include "ringflash/comm.h"
 #include "ringflash/layout.h"
@@ -37,6 +39,13 @@ struct ParallelOptions {
   int64_t kv_heads_per_gather = 0;
   // hybrid: the ring layout across ring groups.
   Layout hybrid_ring_layout = Layout::kZigzag;
+  // ring, zigzag and stripe, where the ring takes two steps (two ranks, or a window that reaches no
+  // farther): a contiguous tensor of k's dtype on k's device that the forward receives the other
+  // rank's K and V into, and that the backward of the same call (the same arguments) reads them
+  // from instead of receiving them again. It holds 2 x B x R x Hkv x D elements, R the other rank's
+  // rows, which is at most S_r + 2 (packed: 2 x (T_r + 2 per sequence) x Hkv x D elements).
+  // Unset: the backward receives them. The other strategies take none.
+  std::optional<TensorView> kept_kv;
 };
 
 // The communicators a strategy runs over. Every strategy but hybrid uses `world`; hybrid uses

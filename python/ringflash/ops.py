@@ -181,9 +181,10 @@ def _eager(tensors: Sequence[Tensor]) -> bool:
 
 def _register_autograd(forward_op, backward_op, num_tensors: int):
     """Autograd for a forward op with inputs (q, k, v, `num_tensors` optional tensors such as
-    cu_seqlens and alibi_slopes, then plain options) and outputs (out, lse), whose backward op takes
-    (dout, q, k, v, out, lse, the same tensors, the same options) and returns (dq, dk, dv). Only q,
-    k and v get gradients; lse is not differentiable.
+    cu_seqlens and alibi_slopes, then plain options) and outputs (out, lse, then any tensors kept for
+    the backward), whose backward op takes (dout, q, k, v, out, lse, the kept tensors, the same
+    optional tensors, the same options) and returns (dq, dk, dv). Only q, k and v get gradients; lse
+    and the kept tensors are not differentiable.
 
     Returns the forward as eager code should call it: the op while torch.compile traces (or for
     tensors that are not plain CPU or GPU tensors); otherwise the op's implementation itself, under
@@ -195,10 +196,10 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
     forward_fn, backward_fn = _implementations[forward_op], _implementations[backward_op]
 
     def saved(ctx, inputs, output):
-        out, lse = output
-        ctx.save_for_backward(*inputs[:3], out, lse, *inputs[3:3 + num_tensors])
+        out, lse, *kept = output
+        ctx.save_for_backward(*inputs[:3], out, lse, *kept, *inputs[3:3 + num_tensors])
         ctx.options = inputs[3 + num_tensors:]
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, *kept)
 
     def gradients(ctx, dout, backward):
         if dout.stride(-1) != 1:
@@ -208,7 +209,7 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
         dq, dk, dv = backward(dout, *ctx.saved_tensors, *ctx.options)
         return (dq, dk, dv) + (None,) * (num_tensors + len(ctx.options))
 
-    forward_op.register_autograd(lambda ctx, dout, dlse: gradients(ctx, dout, backward_op), setup_context=saved)
+    forward_op.register_autograd(lambda ctx, dout, *_: gradients(ctx, dout, backward_op), setup_context=saved)
 
     def forward(ctx, *inputs):
         output = forward_fn(*inputs)
@@ -217,7 +218,7 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
 
     # Named after the op (_attention_forward: Attention), so that grad_fn reads AttentionBackward.
     name = "".join(w.capitalize() for w in forward_fn.__name__.strip("_").removesuffix("_forward").split("_"))
-    backward = staticmethod(lambda ctx, dout, dlse: gradients(ctx, dout, backward_fn))
+    backward = staticmethod(lambda ctx, dout, *_: gradients(ctx, dout, backward_fn))
     function = type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=backward))
 
     def call(*inputs):

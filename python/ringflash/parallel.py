@@ -18,6 +18,10 @@ on every rank, and each rank's tensors hold sequence 0's shard, then sequence 1'
 The ops are ``torch.ops.ringflash.parallel_forward`` and ``parallel_backward``, with fake
 implementations and autograd, so ``torch.compile(fullgraph=True)`` traces them. A group is passed
 to them as an int handle (``ParallelGroup.handle``).
+
+On two ranks, ring, zigzag and stripe keep the K/V that the forward receives for the backward (a
+buffer as large as the rank's own K/V, held between the passes as the forward's inputs are), so
+that the backward does not receive them again; ``keep_kv=False`` gives that memory back.
 """
 
 import math
@@ -42,6 +46,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("ring", "zigzag", "stripe", "allgather", "ulysses", "hybrid")
+_KEEPING = ("ring", "zigzag", "stripe")  # the strategies that can keep the forward's K/V
 _RING_LAYOUTS = {"ring": "contiguous", "basic": "contiguous", "contiguous": "contiguous", "zigzag": "zigzag",
                  "stripe": "stripe", "strip": "stripe"}
 
@@ -129,6 +134,13 @@ def init_process_groups(ulysses_degree: int, ring_degree: int, use_ulysses_low: 
 
 
 @torch.compiler.assume_constant_result
+def _world_size(handle: int) -> int:
+    """The number of ranks of a non-hybrid ParallelGroup (0 for hybrid), read eagerly while tracing."""
+    pg = ParallelGroup._registry[handle]
+    return 0 if pg.is_hybrid or not dist.is_initialized() else dist.get_world_size(pg.world)
+
+
+@torch.compiler.assume_constant_result
 def _handle(group) -> int:
     """parallel_group(group).handle, run eagerly even while torch.compile traces the caller: the
     group must be registered before the traced op runs (a traced registration would happen after).
@@ -185,6 +197,17 @@ def _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, windo
                 stream=_stream(q))
 
 
+def _kept_buffer(k: Tensor, cu_seqlens: Optional[Tensor], keep_kv: bool) -> Tensor:
+    """Room for the K and V of the other rank of a ring of two steps (ParallelOptions::kept_kv in
+    the C++ library): its rows are at most this rank's plus 2 per sequence. Empty without keep_kv."""
+    if not keep_kv:
+        return k.new_empty(0)
+    sequences = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    rows = (k.shape[0] if cu_seqlens is not None else k.shape[1]) + 2 * sequences
+    batch = 1 if cu_seqlens is not None else k.shape[0]
+    return k.new_empty(2 * batch * rows * k.shape[-2] * k.shape[-1])
+
+
 def _parallel_forward(
     q: Tensor,
     k: Tensor,
@@ -199,10 +222,13 @@ def _parallel_forward(
     strategy: str,
     group: int,
     kv_heads_per_gather: int,
-) -> Tuple[Tensor, Tensor]:
-    """(out, lse) of this rank's query shard; see the module docstring."""
+    keep_kv: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, kept) of this rank's query shard, kept being the K/V received for the backward
+    (empty unless keep_kv); see the module docstring."""
     pg = ParallelGroup._registry[group]
     out, lse = _empty_outputs(q, packed=cu_seqlens is not None)
+    kept = _kept_buffer(k, cu_seqlens, keep_kv)
     kwargs = _group_kwargs(strategy, pg, q.device)
     options = _options(cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, q,
                        kwargs is not None)
@@ -210,8 +236,8 @@ def _parallel_forward(
         _C.attention_forward(_detach(q), _detach(k), _detach(v), out, lse, **options)
     else:
         _C.parallel_forward(_detach(q), _detach(k), _detach(v), out, lse, kv_heads_per_gather=kv_heads_per_gather,
-                            **kwargs, **options)
-    return out, lse
+                            kept_kv=kept if keep_kv else None, **kwargs, **options)
+    return out, lse, kept
 
 
 parallel_forward = _custom_op(_parallel_forward)
@@ -219,8 +245,9 @@ parallel_forward = _custom_op(_parallel_forward)
 
 @parallel_forward.register_fake
 def _parallel_forward_fake(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left, window_right,
-                           softcap, strategy, group, kv_heads_per_gather):
-    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32)
+                           softcap, strategy, group, kv_heads_per_gather, keep_kv):
+    return (torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens is not None), dtype=torch.float32),
+            _kept_buffer(k, cu_seqlens, keep_kv))
 
 
 def _parallel_backward(
@@ -230,6 +257,7 @@ def _parallel_backward(
     v: Tensor,
     out: Tensor,
     lse: Tensor,
+    kept: Tensor,
     cu_seqlens: Optional[Tensor],
     alibi_slopes: Optional[Tensor],
     softmax_scale: Optional[float],
@@ -240,8 +268,9 @@ def _parallel_backward(
     strategy: str,
     group: int,
     kv_heads_per_gather: int,
+    keep_kv: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of this rank's shards, for the forward with the same arguments."""
+    """(dq, dk, dv) of this rank's shards, for the forward with the same arguments (and its kept)."""
     pg = ParallelGroup._registry[group]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tensors = (_detach(q), _detach(k), _detach(v), _detach(out), _detach(dout), _detach(lse), dq, dk, dv)
@@ -251,7 +280,8 @@ def _parallel_backward(
     if kwargs is None:
         _C.attention_backward(*tensors, **options)
     else:
-        _C.parallel_backward(*tensors, kv_heads_per_gather=kv_heads_per_gather, **kwargs, **options)
+        _C.parallel_backward(*tensors, kv_heads_per_gather=kv_heads_per_gather,
+                             kept_kv=_detach(kept) if keep_kv else None, **kwargs, **options)
     return dq, dk, dv
 
 
@@ -259,8 +289,8 @@ parallel_backward = _custom_op(_parallel_backward)
 
 
 @parallel_backward.register_fake
-def _parallel_backward_fake(dout, q, k, v, out, lse, cu_seqlens, alibi_slopes, softmax_scale, causal, window_left,
-                            window_right, softcap, strategy, group, kv_heads_per_gather):
+def _parallel_backward_fake(dout, q, k, v, out, lse, kept, cu_seqlens, alibi_slopes, softmax_scale, causal,
+                            window_left, window_right, softcap, strategy, group, kv_heads_per_gather, keep_kv):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -272,7 +302,7 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
                        window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                        alibi_slopes: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None,
                        dropout_p: float = 0.0, kv_heads_per_gather: int = 0, return_lse: bool = False,
-                       op: str = "parallel_attention"):
+                       keep_kv: bool = True, op: str = "parallel_attention"):
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     q (B, S_local, Hq, D), k and v (B, S_local, Hkv, D), each rank's shard in ``strategy``'s layout;
@@ -280,6 +310,8 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
     (T_local, H, D). ``group`` is a ParallelGroup, a torch.distributed group, or None (the default
     group). Options as in flash_attn_func; causal masks and windows use global positions.
     ``kv_heads_per_gather`` (allgather) bounds the K/V heads gathered at a time (0: all).
+    ``keep_kv`` (ring, zigzag and stripe on two ranks, when a gradient is wanted) keeps the K/V that
+    the forward receives for the backward, which then does not receive them again.
     Returns out like q, and with ``return_lse`` also the float32 lse, (B, Hq, S_local) or
     (Hq, T_local). Gradients flow to q, k and v."""
     if strategy not in STRATEGIES:
@@ -290,6 +322,8 @@ def parallel_attention(q: Tensor, k: Tensor, v: Tensor, strategy: str = "zigzag"
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise _C.InvalidArgument(f"[{op}] {name} must be on {q.device} like q, got {t.device}")
-    out, lse = _parallel(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
-                         float(softcap), strategy, handle, int(kv_heads_per_gather))
+    keep = bool(keep_kv) and strategy in _KEEPING and _world_size(handle) == 2 and torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v))
+    out, lse, _ = _parallel(q, k, v, cu_seqlens, alibi_slopes, softmax_scale, bool(causal), left, right,
+                            float(softcap), strategy, handle, int(kv_heads_per_gather), keep)
     return (out, lse) if return_lse else out

@@ -5,7 +5,7 @@
 // of every strategy but hybrid, which takes `ulysses` and `ring` instead. Tensors are each rank's
 // shard in the strategy's layout (ringflash/layout.h); cu_seqlens_q/k are the GLOBAL cumulative
 // lengths of a packed batch. Options are those of attention_forward, except the offsets, which the
-// layout fixes. The GIL is released while the call runs (the torch bridge takes it back for its
+// layout fixes. `kept_kv` is ParallelOptions::kept_kv: the forward writes it, the backward reads it. The GIL is released while the call runs (the torch bridge takes it back for its
 // messages).
 #include "ringflash/parallel.h"
 
@@ -73,9 +73,10 @@ Setup make_setup(const char* op, const std::string& strategy, OptionalComm world
       "ring"_a.none() = nb::none(), "kv_heads_per_gather"_a = 0, "hybrid_ring_layout"_a = "zigzag"
 
 void forward(const InputArray& q, const InputArray& k, const InputArray& v, const OutputArray& out,
-             const OutputArray& lse, RINGFLASH_GROUP_PARAMS, RINGFLASH_OPTION_PARAMS) {
+             const OutputArray& lse, RINGFLASH_GROUP_PARAMS, const OptionalOutput& kept_kv, RINGFLASH_OPTION_PARAMS) {
   constexpr const char* op = "parallel_forward";
-  const Setup s = make_setup(op, RINGFLASH_GROUP_NAMES);
+  Setup s = make_setup(op, RINGFLASH_GROUP_NAMES);
+  s.options.kept_kv = to_tensor_view(op, "kept_kv", kept_kv);
   parallel_attention_forward(s.strategy, s.group, to_tensor_view(op, "q", q), to_tensor_view(op, "k", k),
                              to_tensor_view(op, "v", v), to_tensor_view(op, "out", out),
                              to_tensor_view(op, "lse", lse), make_params(op, RINGFLASH_OPTION_NAMES), s.options);
@@ -83,9 +84,11 @@ void forward(const InputArray& q, const InputArray& k, const InputArray& v, cons
 
 void backward(const InputArray& q, const InputArray& k, const InputArray& v, const InputArray& out,
               const InputArray& dout, const InputArray& lse, const OutputArray& dq, const OutputArray& dk,
-              const OutputArray& dv, RINGFLASH_GROUP_PARAMS, RINGFLASH_OPTION_PARAMS) {
+              const OutputArray& dv, RINGFLASH_GROUP_PARAMS, const OptionalInput& kept_kv,
+              RINGFLASH_OPTION_PARAMS) {
   constexpr const char* op = "parallel_backward";
-  const Setup s = make_setup(op, RINGFLASH_GROUP_NAMES);
+  Setup s = make_setup(op, RINGFLASH_GROUP_NAMES);
+  s.options.kept_kv = to_tensor_view(op, "kept_kv", kept_kv);
   parallel_attention_backward(s.strategy, s.group, to_tensor_view(op, "q", q), to_tensor_view(op, "k", k),
                               to_tensor_view(op, "v", v), to_tensor_view(op, "out", out),
                               to_tensor_view(op, "dout", dout), to_tensor_view(op, "lse", lse),
@@ -106,10 +109,11 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> shard(int64_t seqlen, RINGFLA
 
 void init_parallel(nb::module_& m) {
   m.def("parallel_forward", &forward, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, RINGFLASH_GROUP_ARGS,
-        RINGFLASH_OPTION_KWARGS, nb::call_guard<nb::gil_scoped_release>(),
+        "kept_kv"_a.none() = nb::none(), RINGFLASH_OPTION_KWARGS, nb::call_guard<nb::gil_scoped_release>(),
         "Sequence-parallel attention forward over this rank's shards; every rank of the group calls it.");
   m.def("parallel_backward", &backward, "q"_a, "k"_a, "v"_a, "out"_a, "dout"_a, "lse"_a, "dq"_a, "dk"_a,
-        "dv"_a, RINGFLASH_GROUP_ARGS, RINGFLASH_OPTION_KWARGS, nb::call_guard<nb::gil_scoped_release>(),
+        "dv"_a, RINGFLASH_GROUP_ARGS, "kept_kv"_a.none() = nb::none(), RINGFLASH_OPTION_KWARGS,
+        nb::call_guard<nb::gil_scoped_release>(),
         "Sequence-parallel attention backward; options as in the forward.");
   m.def("parallel_shard", &shard, "seqlen"_a, RINGFLASH_GROUP_ARGS,
         "This rank's positions of a sequence of seqlen tokens: a list of (start, count, stride) pieces.");

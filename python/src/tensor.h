@@ -16,6 +16,7 @@ namespace ringflash::python {
 using InputArray = nanobind::ndarray<nanobind::ro>;
 using OutputArray = nanobind::ndarray<>;
 using OptionalInput = std::optional<InputArray>;
+using OptionalOutput = std::optional<OutputArray>;
 
 // The one conversion from a DLPack tensor to a TensorView. Checks that the dtype is one of
 // float32, float16, bfloat16, int32, int64, float64 and the device cpu or cuda, and that the
@@ -32,7 +33,9 @@ TensorView to_tensor_view(const char* op, const char* name, const nanobind::ndar
                         a.device_type(), a.device_id(), a.ndim(), a.shape_ptr(), a.stride_ptr());
 }
 
-inline std::optional<TensorView> to_tensor_view(const char* op, const char* name, const OptionalInput& a) {
+template <typename... Config>
+std::optional<TensorView> to_tensor_view(const char* op, const char* name,
+                                         const std::optional<nanobind::ndarray<Config...>>& a) {
   if (!a) return std::nullopt;
   return to_tensor_view(op, name, *a);
 }

@@ -63,7 +63,7 @@ enum Field {
   kDirection, kStrategy, kPacked, kBatch, kHeadsQ, kHeadsKv, kHeadDim,
   kDtypeQ, kDtypeK, kDtypeV, kDtypeOut, kDtypeDout, kDtypeDq, kDtypeDk, kDtypeDv,
   kCausal, kWindowLeft, kWindowRight, kSoftcap, kSoftmaxScale, kDropout, kDeterministic,
-  kAlibiShape, kAlibiValues, kCuSeqlensLength, kCuSeqlensValues, kKvHeadsPerGather, kHybridRingLayout,
+  kAlibiShape, kAlibiValues, kCuSeqlensLength, kCuSeqlensValues, kKvHeadsPerGather, kHybridRingLayout, kKeptKv,
   kFieldCount
 };
 
@@ -86,6 +86,7 @@ constexpr FieldInfo kFields[kFieldCount] = {
     {"alibi_slopes shape (0 none, 1 per head, 2 per batch)", Shown::kNumber}, {"alibi_slopes values", Shown::kHash},
     {"cu_seqlens length", Shown::kNumber}, {"cu_seqlens values", Shown::kHash},
     {"kv_heads_per_gather", Shown::kNumber}, {"hybrid_ring_layout", Shown::kNumber},
+    {"kept_kv (1 when given)", Shown::kNumber},
 };
 
 std::string show(Field f, int64_t value) {
@@ -217,6 +218,17 @@ Problem check_local(const Call& c) {
                   "accumulates partial results itself)");
   RINGFLASH_CHECK(c.options.kv_heads_per_gather >= 0, InvalidArgument, c.op,
                   " options.kv_heads_per_gather must be >= 0 (0: all at once), got ", c.options.kv_heads_per_gather);
+  if (c.options.kept_kv) {
+    const TensorView& kept = *c.options.kept_kv;
+    const bool ring = c.strategy == Strategy::kRing || c.strategy == Strategy::kZigzag || c.strategy == Strategy::kStripe;
+    RINGFLASH_CHECK(ring, InvalidArgument, c.op, " options.kept_kv is for ring, zigzag and stripe; leave it empty");
+    RINGFLASH_CHECK(kept.dtype() == c.k.dtype(), InvalidArgument, c.op, " options.kept_kv must have k's dtype ",
+                    dtype_name(c.k.dtype()), ", got ", dtype_name(kept.dtype()));
+    RINGFLASH_CHECK(kept.device() == c.k.device(), InvalidArgument, c.op, " options.kept_kv must be on ",
+                    device_name(c.k.device()), " like k, got ", device_name(kept.device()));
+    RINGFLASH_CHECK(kept.is_contiguous(), InvalidArgument, c.op, " options.kept_kv must be contiguous, got shape ",
+                    kept.shape_string());
+  }
   const Layout ring_layout = c.options.hybrid_ring_layout;
   const bool known_layout =
       ring_layout == Layout::kContiguous || ring_layout == Layout::kZigzag || ring_layout == Layout::kStripe;
@@ -332,6 +344,7 @@ Problem check_local(const Call& c) {
   prob.dk = c.dk;
   prob.dv = c.dv;
   prob.params = p;
+  prob.kept_kv = c.options.kept_kv;
   return prob;
 }
 
@@ -388,6 +401,7 @@ Descriptor describe(const Call& c) {
   }
   d.fields[kKvHeadsPerGather] = c.options.kv_heads_per_gather;
   if (c.hybrid()) d.fields[kHybridRingLayout] = static_cast<int64_t>(c.options.hybrid_ring_layout);
+  d.fields[kKeptKv] = c.options.kept_kv.has_value();
   d.rows = size(c.q, packed ? 0 : 1);
   return d;
 }

@@ -10,8 +10,10 @@
 // rank's own (P - 1 hops, as the K/V make). The transfer for step s + 1 is posted before step s
 // computes. The backward splits its own block in two halves of its K/V heads (of its key rows
 // with one K/V head): the first at step 0 (under the first K/V transfer), the second after the
-// last step (under the last hop, which would otherwise run alone). With a window, the ring stops
-// after the last step any rank needs, so farther transfers never happen. A transfer carries only
+// last step (under the last hop, which would otherwise run alone). A ring of two steps given
+// ParallelOptions::kept_kv receives the other rank's K/V there in the forward, and its backward
+// reads them from there: it receives no K/V, computes the step against them first and its whole
+// own block under the last hop. With a window, the ring stops after the last step any rank needs, so farther transfers never happen. A transfer carries only
 // the rows that some rank reads: of a K/V block, the span of the key rows that its later holders'
 // calls see (zigzag on 2 ranks: half of rank 0's; a window: its reach into the block), and of a
 // partial on its last hop, the rows that the calls into it reached.
@@ -27,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "../core/check.h"
 #include "../kernels/ops.h"
 #include "strategy.h"
 #include "views.h"
@@ -252,6 +255,14 @@ class Ring {
         stream_(p.params.stream) {
     q_ = batched(p.q, p.packed);
     home_ = {batched(p.k, p.packed), batched(p.v, p.packed)};
+    if (steps_ == 2 && p.kept_kv) {
+      const int64_t need = 2 * rows_elements(source(1));
+      const char* name = layout == Layout::kContiguous ? "ring" : layout_name(layout);  // the strategy's
+      RINGFLASH_CHECK(p.kept_kv->numel() >= need, InvalidArgument, "[", name, "] options.kept_kv must hold ",
+                      need, " elements (K and V of rank ", source(1), "'s ", geo_.rows[source(1)], " rows), got ",
+                      p.kept_kv->numel());
+      kept_ = static_cast<unsigned char*>(p.kept_kv->data());
+    }
   }
 
   void forward() {
@@ -328,7 +339,8 @@ class Ring {
 
     // This rank's own block in two halves when the ring goes on: one now, the other while the
     // last hop travels. Halves of its K/V heads (each half's calls are the whole block's, with
-    // blocks as long), or of its key rows when it has one K/V head.
+    // blocks as long), or of its key rows when it has one K/V head. With the K/V kept from the
+    // forward nothing travels now, and the whole block runs under the last hop.
     const Part halves[2] = {own_half(0), own_half(1)};
     const std::vector<Call> own_calls[2] = {calls(rank_, halves[0].keys), calls(rank_, halves[1].keys)};
     const bool own_written[2] = {prepare_grads(own_calls[0], own, rank_, halves[0]),
@@ -342,9 +354,9 @@ class Ring {
     prepare_travel();
     std::unique_ptr<CommRequest> grads_in;
     for (int s = 0; s < steps_; ++s) {
-      std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ ? pass_kv(s) : nullptr;
+      std::unique_ptr<CommRequest> kv_in = s + 1 < steps_ && !kept_ ? pass_kv(s) : nullptr;
       if (s == 0) {
-        own_part(0);
+        if (!kept_) own_part(0);
         if (kv_in) kv_in->wait();
         continue;
       }
@@ -386,6 +398,7 @@ class Ring {
       const std::unique_ptr<CommRequest> last = exchange(grad_views(partial[(steps_ - 1) % 2], home),
                                                          read_rows(home, 1), home, grad_views(arrived, rank_),
                                                          reached, from);
+      if (kept_) own_part(0);
       own_part(1);
       last->wait();
       const KeyValues others = grad_views(arrived, rank_);
@@ -420,10 +433,11 @@ class Ring {
     Heads heads;
   };
 
-  // Half `half` of this rank's own block (all of it at half 0 when the ring has one step).
+  // Half `half` of this rank's own block (all of it at half 0 when the ring has one step or the
+  // K/V kept from the forward).
   Part own_half(int half) const {
     const Block keys{0, geo_.rows[rank_]};
-    if (steps_ == 1) return half == 0 ? Part{keys, all_heads()} : Part{keys, {0, 0}};
+    if (steps_ == 1 || kept_) return half == 0 ? Part{keys, all_heads()} : Part{keys, {0, 0}};
     if (p_.heads_kv > 1) {
       const int64_t split = p_.heads_kv / 2;
       return {keys, half == 0 ? Heads{0, split} : Heads{split, p_.heads_kv - split}};
@@ -545,12 +559,14 @@ class Ring {
   static TensorView rows(const TensorView& t, const Block& b) { return narrow(t, 1, b.row, b.count); }
   static TensorView lse_rows(const TensorView& lse, const Block& b) { return narrow(lse, 2, b.row, b.count); }
 
-  // Room in the workspace for the K/V in flight, and for a contiguous copy of this rank's K/V when
-  // the caller's are strided (a message is one contiguous block).
+  // Room in the workspace for the K/V in flight (a ring of two steps receives once, into the kept
+  // buffer if there is one; a longer one alternates two buffers), and for a contiguous copy of this
+  // rank's K/V when the caller's are strided (a message is one contiguous block).
   void plan_travel(kernels::WorkspaceLayout& layout) {
     if (steps_ == 1) return;
     const size_t size = dtype_size(p_.k.dtype());
-    for (size_t& at : travel_at_) at = layout.add(static_cast<size_t>(2 * kv_elements_) * size);
+    for (int i = kept_ ? 1 : 0; i < std::min(steps_ - 1, 2); ++i)
+      travel_at_[i] = layout.add(static_cast<size_t>(2 * kv_elements_) * size);
     if (!p_.k.is_contiguous() || !p_.v.is_contiguous())
       staging_at_ = layout.add(static_cast<size_t>(2 * rows_elements(rank_)) * size);
   }
@@ -565,7 +581,7 @@ class Ring {
     }
   }
 
-  unsigned char* travel(int i) const { return workspace_.data() + travel_at_[i]; }
+  unsigned char* travel(int i) const { return i == 0 && kept_ ? kept_ : workspace_.data() + travel_at_[i]; }
 
   // K and V (or dK and dV) of `rank` at `data`: [k | v], each (B, rows, Hkv, D) of `dtype`.
   KeyValues pair_views(unsigned char* data, DType dtype, int rank) const {
@@ -647,6 +663,7 @@ class Ring {
   kernels::Workspace workspace_;
   size_t travel_at_[2] = {0, 0};
   size_t staging_at_ = kNoStaging;
+  unsigned char* kept_ = nullptr;  // ParallelOptions::kept_kv, where the ring takes two steps
 };
 
 }  // namespace

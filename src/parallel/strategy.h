@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "ringflash/attention.h"
@@ -27,6 +28,7 @@ struct Problem {
   int64_t seqlen = 0;               // global length, padded batches
   int64_t batch = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
   int64_t rows = 0;                 // local rows: S_r, or T_r when packed
+  std::optional<TensorView> kept_kv;  // ParallelOptions::kept_kv (ring, zigzag, stripe)
 
   // Global length of sequence b.
   int64_t sequence_length(int64_t b) const { return packed ? cu_seqlens[b + 1] - cu_seqlens[b] : seqlen; }

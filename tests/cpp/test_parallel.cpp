@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <exception>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -592,18 +593,96 @@ TEST(ParallelFaults, RankFailsInsideTheRing) {
   }
 }
 
+// ---- the K/V that a ring of two steps keeps from its forward for its backward ---------------
+
+// Elements of a kept_kv buffer that is large enough for any of the case's ranks: K and V of all of
+// its rows.
+int64_t kept_elements(const ParallelCase& c) {
+  int64_t rows = 0;
+  for (int64_t b = 0; b < c.num_seqs(); ++b) rows += c.length(b);
+  return 2 * rows * c.heads_kv * c.head_dim;
+}
+
+// The forward of a backward problem's q, k and v (its out and lse thrown away), given its options:
+// what fills their kept_kv.
+void forward_of(RankProblem& backward, const ParallelGroup& group) {
+  const HostTensor out = HostTensor::empty(backward.out.dtype(), backward.out.shape());
+  const HostTensor lse = HostTensor::empty(DType::kFloat32, backward.lse.shape());
+  const ParallelCase& c = backward.spec();
+  parallel_attention_forward(c.strategy, group, backward.q.view(), backward.k.view(), backward.v.view(), out.view(),
+                             lse.view(), backward.params(), c.options);
+}
+
+// On 2 ranks, a forward given kept_kv, and the backward given the K/V that the forward of its inputs
+// kept (in a buffer of NaNs, so that rows it did not receive would show), pass by the same rule as
+// those that receive them again.
+TEST(ParallelKeptKeyValues, BackwardMatchesTheReference) {
+  SKIP_UNDER_MPI();
+  for (Strategy strategy : {Strategy::kRing, Strategy::kZigzag, Strategy::kStripe})
+    for (MaskKind mask : {MaskKind::kNone, MaskKind::kCausal, MaskKind::kCausalWindow})
+      for (bool packed : {false, true})
+        for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+          ParallelCase c = make_case(strategy, true, mask, 4, 2, 2);
+          c.dtype = dtype;
+          if (packed) c.docs = packed_docs();
+          run_inproc(2, [&](Communicator& comm) {
+            const HostTensor kept = HostTensor::empty(c.dtype, {kept_elements(c)}, std::numeric_limits<double>::quiet_NaN());
+            ParallelCase forward = c;  // its own inputs: checked on its own
+            forward.backward = false;
+            forward.options.kept_kv = kept.view();
+            run_parallel_case(comm, forward);
+            ParallelCase call = c;
+            call.options.kept_kv = kept.view();
+            const std::shared_ptr<const Expected> expected = expected_for(call);
+            RankProblem problem(call, ParallelGroup{&comm}, *expected);
+            forward_of(problem, ParallelGroup{&comm});
+            problem.run();
+            const std::vector<std::string> failures = problem.check(*expected);
+            std::string all;
+            for (const std::string& f : failures) all += f + "\n";
+            EXPECT_EQ(sum_over_ranks(comm, static_cast<int64_t>(failures.size())), 0)
+                << c.name() << ", rank " << comm.rank() << ":\n" << all;
+          });
+        }
+}
+
+TEST(ParallelKeptKeyValues, BadBuffersAreRefused) {
+  SKIP_UNDER_MPI();
+  const auto call_with = [](Strategy strategy, DType dtype, int64_t elements) {
+    return [=](int, Communicator& comm) {
+      ParallelCase c = small_case(strategy);
+      c.world = 2;
+      const HostTensor buffer = HostTensor::empty(dtype, {elements});
+      c.options.kept_kv = buffer.view();
+      call_case(c, comm);
+    };
+  };
+  const int64_t enough = kept_elements(small_case());
+  expect_on_every_rank<InvalidArgument>(2, call_with(Strategy::kAllGather, DType::kFloat32, enough),
+                                        {"[allgather]", "options.kept_kv is for ring, zigzag and stripe"});
+  expect_on_every_rank<InvalidArgument>(2, call_with(Strategy::kZigzag, DType::kFloat16, enough),
+                                        {"[zigzag]", "options.kept_kv must have k's dtype float32, got float16"});
+  expect_on_every_rank<InvalidArgument>(2, call_with(Strategy::kZigzag, DType::kFloat32, 16),
+                                        {"[zigzag]", "options.kept_kv must hold", "got 16"});
+}
+
 // ---- transfers that a window makes unnecessary are skipped --------------------------------
 
 // Bytes `rank` sends in one call of `strategy` over `world` ranks of S = 100 x world (100 rows
 // each), fp32, 2 KV heads of 16.
-uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask, int world = 4, int rank = 0) {
+// With `kept`, a forward first fills options.kept_kv, and the counted call is given it too.
+uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask, int world = 4, int rank = 0, bool kept = false) {
   ParallelCase c = make_case(strategy, backward, mask, 4, 2, world);
   c.seqlen = 100 * world;
   c.batch = 1;
   c.window_left = 10;
   uint64_t bytes = 0;
   run_inproc(world, [&](Communicator& comm) {
-    RankProblem problem(c, ParallelGroup{&comm}, *expected_for(c));
+    ParallelCase call = c;
+    const HostTensor buffer = HostTensor::empty(c.dtype, {2 * c.seqlen * c.heads_kv * c.head_dim});
+    if (kept) call.options.kept_kv = buffer.view();
+    RankProblem problem(call, ParallelGroup{&comm}, *expected_for(call));
+    if (kept && backward) forward_of(problem, ParallelGroup{&comm});
     comm.reset_stats();
     problem.run();
     if (comm.rank() == rank) bytes = comm.stats().bytes_sent;
@@ -639,6 +718,20 @@ TEST(ParallelTransfers, OnlyTheRowsThatARankReadsTravel) {
     const uint64_t backward = bytes_sent(Strategy::kZigzag, true, MaskKind::kCausal, 2, rank);
     EXPECT_EQ(backward - causal, rank == 0 ? 2 * kBlockBytes : kBlockBytes)
         << "forward " << causal << ", backward " << backward;
+  }
+}
+
+// With the K/V kept from the forward, zigzag's backward on 2 ranks sends none: only its partial.
+TEST(ParallelTransfers, KeptKeyValuesDoNotTravelAgain) {
+  SKIP_UNDER_MPI();
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    const uint64_t backward = bytes_sent(Strategy::kZigzag, true, MaskKind::kCausal, 2, rank);
+    const uint64_t kept = bytes_sent(Strategy::kZigzag, true, MaskKind::kCausal, 2, rank, true);
+    EXPECT_EQ(backward - kept, rank == 0 ? kBlockBytes : 2 * kBlockBytes) << "received again " << backward
+                                                                             << " bytes, kept " << kept;
+    EXPECT_EQ(bytes_sent(Strategy::kZigzag, false, MaskKind::kCausal, 2, rank, true),
+              bytes_sent(Strategy::kZigzag, false, MaskKind::kCausal, 2, rank));
   }
 }
 

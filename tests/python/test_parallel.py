@@ -112,6 +112,39 @@ def test_torch_compile_fullgraph_on_ring_and_ulysses():
         assert result == {"ring": (True, True), "ulysses": (True, True)}
 
 
+def _keep_body(rank, world):
+    seen = []
+    calls = {name: getattr(ringflash._C, name) for name in ("parallel_forward", "parallel_backward")}
+
+    def spy(name):
+        def call(*args, **kwargs):
+            seen.append((name, kwargs.get("kept_kv") is not None))
+            return calls[name](*args, **kwargs)
+        return call
+
+    for name in calls:
+        setattr(ringflash._C, name, spy(name))
+    try:
+        ref = GlobalReference(*_inputs(1, 301, 8, 2, 64, torch.float32), torch.float32, causal=True)
+        for keep in (True, False):
+            def run(q, k, v, keep=keep):
+                return parallel_attention(q, k, v, "zigzag", causal=True, return_lse=True, keep_kv=keep)
+            ref.check(run, shard_positions(301, "zigzag"), what=f"zigzag keep_kv={keep}")
+        q, k, v = (ref.rows(t, shard_positions(301, "zigzag")) for t in ref.inputs)
+        parallel_attention(q, k, v, "zigzag", causal=True)  # no gradient wanted: nothing kept
+    finally:
+        for name, call in calls.items():
+            setattr(ringflash._C, name, call)
+    return seen
+
+
+def test_two_ranks_keep_the_forwards_key_values_for_the_backward():
+    kept = [("parallel_forward", True), ("parallel_backward", True)]
+    received = [("parallel_forward", False), ("parallel_backward", False)]
+    for seen in run_world(2, _keep_body):
+        assert seen == kept + received + [("parallel_forward", False)]
+
+
 def _errors_body(rank, world):
     messages = {}
     q, k, v = _inputs(1, 16, 3, 3, 32, torch.float32)
