@@ -200,8 +200,11 @@ def _register_autograd(forward_op, backward_op, num_tensors: int):
         ctx.save_for_backward(*inputs[:3], out, lse, *kept, *inputs[3:3 + num_tensors])
         ctx.options = inputs[3 + num_tensors:]
         ctx.mark_non_differentiable(lse, *kept)
+        ctx.set_materialize_grads(False)  # no zero gradients made for lse and the kept tensors
 
     def gradients(ctx, dout, backward):
+        if dout is None:  # out reached no loss
+            return (None,) * (3 + num_tensors + len(ctx.options))
         if dout.stride(-1) != 1:
             # Autograd may hand over an expanded gradient (stride 0); the kernels need D contiguous.
             # (contiguous() would keep the strides of an empty tensor.)

@@ -5,8 +5,8 @@
 // of every strategy but hybrid, which takes `ulysses` and `ring` instead. Tensors are each rank's
 // shard in the strategy's layout (ringflash/layout.h); cu_seqlens_q/k are the GLOBAL cumulative
 // lengths of a packed batch. Options are those of attention_forward, except the offsets, which the
-// layout fixes. `kept_kv` is ParallelOptions::kept_kv: the forward writes it, the backward reads it. The GIL is released while the call runs (the torch bridge takes it back for its
-// messages).
+// layout fixes. `kept_kv` is ParallelOptions::kept_kv: the forward writes it, the backward reads
+// it. The GIL is released while the call runs (the torch bridge takes it back for its messages).
 #include "ringflash/parallel.h"
 
 #include <optional>

@@ -220,7 +220,8 @@ Problem check_local(const Call& c) {
                   " options.kv_heads_per_gather must be >= 0 (0: all at once), got ", c.options.kv_heads_per_gather);
   if (c.options.kept_kv) {
     const TensorView& kept = *c.options.kept_kv;
-    const bool ring = c.strategy == Strategy::kRing || c.strategy == Strategy::kZigzag || c.strategy == Strategy::kStripe;
+    const bool ring =
+        c.strategy == Strategy::kRing || c.strategy == Strategy::kZigzag || c.strategy == Strategy::kStripe;
     RINGFLASH_CHECK(ring, InvalidArgument, c.op, " options.kept_kv is for ring, zigzag and stripe; leave it empty");
     RINGFLASH_CHECK(kept.dtype() == c.k.dtype(), InvalidArgument, c.op, " options.kept_kv must have k's dtype ",
                     dtype_name(c.k.dtype()), ", got ", dtype_name(kept.dtype()));

@@ -13,10 +13,11 @@
 // last step (under the last hop, which would otherwise run alone). A ring of two steps given
 // ParallelOptions::kept_kv receives the other rank's K/V there in the forward, and its backward
 // reads them from there: it receives no K/V, computes the step against them first and its whole
-// own block under the last hop. With a window, the ring stops after the last step any rank needs, so farther transfers never happen. A transfer carries only
-// the rows that some rank reads: of a K/V block, the span of the key rows that its later holders'
-// calls see (zigzag on 2 ranks: half of rank 0's; a window: its reach into the block), and of a
-// partial on its last hop, the rows that the calls into it reached.
+// own block under the last hop. With a window, the ring stops after the last step any rank needs,
+// so farther transfers never happen. A transfer carries only the rows that some rank reads: of a
+// K/V block, the span of the key rows that its later holders' calls see (zigzag on 2 ranks: half
+// of rank 0's; a window: its reach into the block), and of a partial on its last hop, the rows
+// that the calls into it reached.
 //
 // Tensors are handled as batches: a padded batch is (B, S_r, H, D) with one shard for every batch
 // entry, so one kernel call covers the batch; a packed batch (T_r, H, D) is seen as (1, T_r, H, D)

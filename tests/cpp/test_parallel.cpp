@@ -626,7 +626,8 @@ TEST(ParallelKeptKeyValues, BackwardMatchesTheReference) {
           c.dtype = dtype;
           if (packed) c.docs = packed_docs();
           run_inproc(2, [&](Communicator& comm) {
-            const HostTensor kept = HostTensor::empty(c.dtype, {kept_elements(c)}, std::numeric_limits<double>::quiet_NaN());
+            const HostTensor kept =
+                HostTensor::empty(c.dtype, {kept_elements(c)}, std::numeric_limits<double>::quiet_NaN());
             ParallelCase forward = c;  // its own inputs: checked on its own
             forward.backward = false;
             forward.options.kept_kv = kept.view();
