@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=P bench/cp_profile.py [--strategy zigzag] [--seqlen 32768]
         [--heads-kv 32] [--passes fwd,fwd_bwd] [-w 3] [-n 10] [--trace-rank 1] [--trace-all]
-        [--profile-calls 1] [--out DIR]
+        [--profile-calls 1] [--no-keep-kv] [--out DIR]
 
 The setting is cp_bench.py's (causal, batch 1, 32 query heads, hdim 128, bf16). For ringflash on
 one GPU (t1: flash_attn_func on the whole sequence) and on P (tP: parallel_attention on this
@@ -71,6 +71,8 @@ def parse_args(argv=None):
                    help="calls profiled back to back (the summary covers all of them)")
     p.add_argument("--trace-all", action="store_true",
                    help="every rank writes a trace of the profiled calls (the summary stays --trace-rank's)")
+    p.add_argument("--no-keep-kv", action="store_true",
+                   help="parallel_attention(keep_kv=False): a ring of two steps receives its K/V again")
     p.add_argument("--timeline", action="store_true",
                    help="also print every GPU activity of the profiled P-GPU calls, in order of start")
     args = p.parse_args(argv)
@@ -263,7 +265,7 @@ def main(argv=None):
             return ringflash.flash_attn_func(q, k, v, causal=True)
 
         def parallel(q, k, v):
-            return parallel_attention(q, k, v, args.strategy, causal=True)
+            return parallel_attention(q, k, v, args.strategy, causal=True, keep_kv=not args.no_keep_kv)
 
         for pass_name in args.passes:
             for world, attend, inputs in ((1, single, sets), (ranks.world, parallel, shard_sets)):
