@@ -370,7 +370,8 @@ class Ring {
       // reached is simply not added. A partial whose next hop is its last carries only the rows that
       // some call reached, and only those need to be ready.
       const Block ready = steps_ == 2 ? read_rows(src, 1) : Block{0, geo_.rows[src]};
-      const bool written = (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {ready, all_heads()});
+      const bool written =
+          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {ready, all_heads()});
       for (const Call& c : step_calls)
         backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written, all_heads());
       if (s > 1) {
@@ -408,7 +409,8 @@ class Ring {
         kernels::add(rows(mine.v, reached), rows(others.v, reached), rows(dv, reached), stream_);
       }
     }
-    const Block rest[2] = {{0, reached.row}, {reached.row + reached.count, geo_.rows[rank_] - reached.row - reached.count}};
+    const int64_t after = reached.row + reached.count;
+    const Block rest[2] = {{0, reached.row}, {after, geo_.rows[rank_] - after}};
     for (const Block& r : rest)
       if (r.count > 0) {
         kernels::copy(rows(mine.k, r), rows(dk, r), stream_);
