@@ -329,7 +329,7 @@ class Ring {
     const size_t dq_at = layout.add(own_dq ? static_cast<size_t>(dq.numel()) * sizeof(float) : 0);
     const size_t own_at = layout.add(static_cast<size_t>(2 * rows_elements(rank_)) * sizeof(float));
     const size_t partial_at[2] = {layout.add(grad_bytes), layout.add(grad_bytes)};
-    const size_t block_at = layout.add(grad_bytes);
+    const size_t block_at = layout.add(steps_ > 2 ? grad_bytes : 0);  // from step 2 on
     plan_travel(layout);
     workspace_ = kernels::Workspace(device_, layout.total(), stream_);
     const TensorView dq_acc = own_dq ? contiguous_like(workspace_.data() + dq_at, DType::kFloat32, dq) : dq;
