@@ -335,6 +335,7 @@ Problem check_local(const Call& c) {
     throw InvalidArgument(str_cat(c.op, " ", reason));
   }
 
+  prob.op = c.op;
   prob.q = c.q;
   prob.k = c.k;
   prob.v = c.v;

@@ -258,9 +258,8 @@ class Ring {
     home_ = {batched(p.k, p.packed), batched(p.v, p.packed)};
     if (steps_ == 2 && p.kept_kv) {
       const int64_t need = 2 * rows_elements(source(1));
-      const char* name = layout == Layout::kContiguous ? "ring" : layout_name(layout);  // the strategy's
-      RINGFLASH_CHECK(p.kept_kv->numel() >= need, InvalidArgument, "[", name, "] options.kept_kv must hold ",
-                      need, " elements (K and V of rank ", source(1), "'s ", geo_.rows[source(1)], " rows), got ",
+      RINGFLASH_CHECK(p.kept_kv->numel() >= need, InvalidArgument, p.op, " options.kept_kv must hold ", need,
+                      " elements (K and V of rank ", source(1), "'s ", geo_.rows[source(1)], " rows), got ",
                       p.kept_kv->numel());
       kept_ = static_cast<unsigned char*>(p.kept_kv->data());
     }

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "ringflash/attention.h"
@@ -19,6 +20,7 @@ namespace ringflash::parallel {
 // One rank's view of a validated call. Local tensors follow attention.h's shapes with this rank's
 // rows (padded: (B, S_r, H, D); packed: (T_r, H, D)).
 struct Problem {
+  std::string op;                // the call's error prefix, e.g. "[zigzag backward]"
   TensorView q, k, v, out, lse;  // out and lse: written by forward, read by backward
   TensorView dout, dq, dk, dv;   // backward only
   // The caller's options; positions, cu_seqlens and accumulate are left for the strategy to set.
