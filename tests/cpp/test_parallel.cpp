@@ -649,9 +649,10 @@ TEST(ParallelKeptKeyValues, BackwardMatchesTheReference) {
 
 TEST(ParallelKeptKeyValues, BadBuffersAreRefused) {
   SKIP_UNDER_MPI();
-  const auto call_with = [](Strategy strategy, DType dtype, int64_t elements) {
+  const auto call_with = [](Strategy strategy, DType dtype, int64_t elements, bool backward = false) {
     return [=](int, Communicator& comm) {
       ParallelCase c = small_case(strategy);
+      c.backward = backward;
       c.world = 2;
       const HostTensor buffer = HostTensor::empty(dtype, {elements});
       c.options.kept_kv = buffer.view();
@@ -665,6 +666,8 @@ TEST(ParallelKeptKeyValues, BadBuffersAreRefused) {
                                         {"[zigzag]", "options.kept_kv must have k's dtype float32, got float16"});
   expect_on_every_rank<InvalidArgument>(2, call_with(Strategy::kZigzag, DType::kFloat32, 16),
                                         {"[zigzag]", "options.kept_kv must hold", "got 16"});
+  expect_on_every_rank<InvalidArgument>(2, call_with(Strategy::kZigzag, DType::kFloat32, 16, true),
+                                        {"[zigzag backward]", "options.kept_kv must hold", "got 16"});
 }
 
 // ---- transfers that a window makes unnecessary are skipped --------------------------------
