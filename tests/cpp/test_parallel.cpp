@@ -683,7 +683,7 @@ uint64_t bytes_sent(Strategy strategy, bool backward, MaskKind mask, int world =
   uint64_t bytes = 0;
   run_inproc(world, [&](Communicator& comm) {
     ParallelCase call = c;
-    const HostTensor buffer = HostTensor::empty(c.dtype, {2 * c.seqlen * c.heads_kv * c.head_dim});
+    const HostTensor buffer = HostTensor::empty(c.dtype, {kept_elements(c)});
     if (kept) call.options.kept_kv = buffer.view();
     RankProblem problem(call, ParallelGroup{&comm}, *expected_for(call));
     if (kept && backward) forward_of(problem, ParallelGroup{&comm});
