@@ -32,13 +32,13 @@ RowPlan hybrid_plan(const Problem& p, Communicator& ulysses, Communicator& ring,
 void hybrid_forward(Communicator& ulysses, Communicator& ring, const Problem& p, const ParallelOptions& options) {
   const Layout layout = options.hybrid_ring_layout;
   ulysses_exchange_forward(ulysses, p, hybrid_plan(p, ulysses, ring, layout),
-                           [&](const Problem& joined) { ring_forward(ring, layout, joined); }, false);
+                           [&](const Problem& joined) { ring_forward(ring, layout, joined); });
 }
 
 void hybrid_backward(Communicator& ulysses, Communicator& ring, const Problem& p, const ParallelOptions& options) {
   const Layout layout = options.hybrid_ring_layout;
   ulysses_exchange_backward(ulysses, p, hybrid_plan(p, ulysses, ring, layout),
-                            [&](const Problem& joined) { ring_backward(ring, layout, joined); }, false);
+                            [&](const Problem& joined) { ring_backward(ring, layout, joined); });
 }
 
 }  // namespace ringflash::parallel

@@ -170,7 +170,6 @@ struct HeadSplit {
   std::vector<HeadRange> q, kv;
   bool kv_replicated = false;  // some KV head is read on more than one rank
 
-  HeadSplit() = default;
   HeadSplit(int64_t heads_q, int64_t heads_kv, int world) {
     int64_t kv_total = 0;
     for (int w = 0; w < world; ++w) {
@@ -202,12 +201,9 @@ using JoinedAttention = std::function<void(const Problem& joined)>;
 
 // Ulysses over `comm`: q, k, v of p's local rows to joined rows of this rank's heads, `attend`,
 // then out and lse back. ulysses passes whole sequences and the kernel; hybrid one ring shard and
-// the ring. `pipelined`: the heads move and are attended in parts, one part's all-to-all beside
-// another's kernels, where every KV head is read on one rank (ulysses.cpp); otherwise, and when
-// not pipelined, `attend` sees all of this rank's heads at once.
-void ulysses_exchange_forward(Communicator& comm, const Problem& p, const RowPlan& plan, const JoinedAttention& attend,
-                              bool pipelined);
+// the ring.
+void ulysses_exchange_forward(Communicator& comm, const Problem& p, const RowPlan& plan, const JoinedAttention& attend);
 void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPlan& plan,
-                               const JoinedAttention& attend, bool pipelined);
+                               const JoinedAttention& attend);
 
 }  // namespace ringflash::parallel

@@ -10,24 +10,15 @@
 // Query heads that read their KV heads at one ratio go to one kernel call: with a group split
 // between ranks, a rank's heads are a part of one group, whole groups and a part of one group.
 //
-// Pipeline. Where every KV head is read on one rank, ulysses moves the heads in parts: every
-// rank's KV heads cut into up to kMaxParts parts (with the query heads that read them), each part
-// an all-to-all of its own, so that the next part's all-to-all runs while the kernels work on this
-// one, and this part's out and lse travel back while they work on the next. Only the first part's
-// way in and the last part's way back run beside no kernel.
-//
 // Buffers. One workspace on the tensors' device holds this rank's heads of the joined rows of
-// every tensor, and the staging memory of the all-to-alls: two slots each way when pipelined (a
-// part's slot is free again once the part two before it has landed), else one that both ways use
-// in turn. The block that one rank sends another holds one contiguous section per tensor, packed
-// by one kernels::copy of a strided view; the joined tensors are filled from the sections by one
-// copy per rank (per rank and sequence when packed). A rank's own part skips the all-to-all and is
-// copied in place.
+// every tensor, and the staging memory of the all-to-alls (both use the same memory in turn). The
+// block that one rank sends another holds one contiguous section per tensor, packed by one
+// kernels::copy of a strided view; the joined tensors are filled from the sections by one copy per
+// rank (per rank and sequence when packed). A rank's own part skips the all-to-all and is copied
+// in place.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <optional>
 #include <vector>
 
@@ -42,10 +33,6 @@ namespace {
 // Sections start this many bytes apart from their block's start at least, which suits the
 // alignment of every element type.
 constexpr size_t kSectionAlignment = 16;
-
-// Parts of a pipelined exchange at most: the way in of the first and the way back of the last run
-// alone, a 1 / kMaxParts share each, and each part's kernels see a kMaxParts-th of the heads.
-constexpr int64_t kMaxParts = 2;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -101,36 +88,17 @@ struct Staging {
   size_t send_total = 0, total = 0;
 };
 
-// The parts of a pipelined exchange (see the top): every rank's KV heads cut into the same number
-// of parts, each with the query heads that read its KV heads. One part, the whole split, where a
-// KV head is read on several ranks or a rank has fewer than two KV heads.
-std::vector<HeadSplit> pipeline_parts(const HeadSplit& all, int64_t group, bool pipelined) {
-  int64_t n = pipelined && !all.kv_replicated ? kMaxParts : 1;
-  for (const HeadRange& kv : all.kv) n = std::min(n, kv.count);
-  if (n < 2) return {all};
-  std::vector<HeadSplit> parts(static_cast<size_t>(n));
-  for (const HeadRange& kv : all.kv)
-    for (int64_t c = 0; c < n; ++c) {
-      const int64_t begin = kv.count * c / n, end = kv.count * (c + 1) / n;
-      const HeadRange part{kv.first + begin, end - begin};
-      parts[c].kv.push_back(part);
-      parts[c].q.push_back({part.first * group, part.count * group});  // whole groups: nothing replicated
-    }
-  return parts;
-}
-
 // One rank's side of the exchange over `comm`: every rank's heads, and this rank's query heads hq.
 class Exchange {
  public:
-  Exchange(Communicator& comm, const Problem& p, const RowPlan& plan, bool pipelined)
+  Exchange(Communicator& comm, const Problem& p, const RowPlan& plan)
       : comm_(comm),
         p_(p),
         plan_(plan),
         me_(comm.rank()),
         world_(comm.size()),
-        group_(p.heads_q / p.heads_kv),
         heads_(p.heads_q, p.heads_kv, world_),
-        parts_(pipeline_parts(heads_, group_, pipelined)),
+        hq_(heads_.q[me_]),
         dim_(p.head_dim),
         device_(p.q.device()),
         stream_(p.params.stream) {}
@@ -142,9 +110,9 @@ class Exchange {
     kernels::WorkspaceLayout layout;
     allocate(layout, in, back);
 
-    // q (B, S_r, Hq, D), k and v (B, S_r, Hkv, D) -> (B, S, hq, D), (B, S, hkv, D); then
-    // out (B, S, hq, D), lse (B, hq, S) -> out (B, S_r, Hq, D), lse (B, Hq, S_r)
-    pipeline(in, back, [&](const HeadSegment& s) { attend(segment(s, q, k, v, out, lse)); });
+    to_joined(in);  // q (B, S_r, Hq, D), k and v (B, S_r, Hkv, D) -> (B, S, hq, D), (B, S, hkv, D)
+    for (const HeadSegment& s : head_segments(hq_, p_.heads_q / p_.heads_kv)) attend(segment(s, q, k, v, out, lse));
+    from_joined(back);  // out (B, S, hq, D), lse (B, hq, S) -> out (B, S_r, Hq, D), lse (B, Hq, S_r)
   }
 
   void backward(const JoinedAttention& attend) {
@@ -162,25 +130,28 @@ class Exchange {
     const size_t sums_at[2] = {layout.add(sum_bytes), layout.add(sum_bytes)};
     allocate(layout, in, grads);
 
-    // With replicas (one part) what comes back is summed in fp32 first.
-    if (sum) {
-      dk.local = contiguous_like(workspace_.data() + sums_at[0], DType::kFloat32, p_.dk);
-      dv.local = contiguous_like(workspace_.data() + sums_at[1], DType::kFloat32, p_.dv);
-      kernels::fill(dk.local, 0.0f, stream_);
-      kernels::fill(dv.local, 0.0f, stream_);
-    }
-    for (Field* g : grads) kernels::fill(g->joined, 0.0f, stream_);
     // q, dout, out (B, S_r, Hq, D), k, v (B, S_r, Hkv, D), lse (B, Hq, S_r)
-    //   -> (B, S, hq, D), (B, S, hkv, D) and lse (B, hq, S); then
-    // dq (B, S, hq, D), dk and dv (B, S, hkv, D) fp32 -> dq (B, S_r, Hq, D), dk and dv (B, S_r, Hkv, D)
-    pipeline(in, grads, [&](const HeadSegment& s) {
+    //   -> (B, S, hq, D), (B, S, hkv, D) and lse (B, hq, S)
+    to_joined(in);
+    for (Field* g : grads) kernels::fill(g->joined, 0.0f, stream_);
+    for (const HeadSegment& s : head_segments(hq_, p_.heads_q / p_.heads_kv)) {
       Problem joined = segment(s, q, k, v, out, lse);
       joined.dout = at_segment(dout, s);
       joined.dq = at_segment(dq, s);
       joined.dk = at_segment(dk, s);
       joined.dv = at_segment(dv, s);
       attend(joined);
-    });
+    }
+
+    // dq (B, S, hq, D), dk and dv (B, S, hkv, D) fp32 -> dq (B, S_r, Hq, D), dk and dv
+    // (B, S_r, Hkv, D), through fp32 sums of every replica when there are replicas.
+    if (sum) {
+      dk.local = contiguous_like(workspace_.data() + sums_at[0], DType::kFloat32, p_.dk);
+      dv.local = contiguous_like(workspace_.data() + sums_at[1], DType::kFloat32, p_.dv);
+      kernels::fill(dk.local, 0.0f, stream_);
+      kernels::fill(dv.local, 0.0f, stream_);
+    }
+    from_joined(grads);
     if (sum) {
       kernels::copy(dk.local, p_.dk, stream_);
       kernels::copy(dv.local, p_.dv, stream_);
@@ -188,48 +159,7 @@ class Exchange {
   }
 
  private:
-  // Every part in turn: its way in (`in`), `attend` on each head segment of it, its way back
-  // (`back`); the next part's way in and the last part's way back travel while a part's kernels
-  // run (see the top). `part_` is the part that the staging and the sections describe.
-  void pipeline(const std::vector<Field*>& in, const std::vector<Field*>& back,
-                const std::function<void(const HeadSegment&)>& attend) {
-    const size_t n = parts_.size();
-    std::unique_ptr<CommRequest> coming[2], going[2];
-    const auto send_in = [&](size_t c) {
-      part_ = &parts_[c];
-      coming[c % 2] = post(in, true, slot(true, c % 2));
-    };
-    const auto land_back = [&](size_t c) {
-      part_ = &parts_[c];
-      going[c % 2]->wait();
-      going[c % 2].reset();
-      land(back, false, slot(false, c % 2));
-    };
-    send_in(0);
-    for (size_t c = 0; c < n; ++c) {
-      part_ = &parts_[c];
-      coming[c % 2]->wait();
-      coming[c % 2].reset();
-      land(in, true, slot(true, c % 2));
-      if (c + 1 < n) send_in(c + 1);
-      part_ = &parts_[c];
-      for (const HeadSegment& s : head_segments(parts_[c].q[me_], group_)) attend(s);
-      if (c >= 2) land_back(c - 2);  // frees the slot this part's way back takes
-      part_ = &parts_[c];
-      going[c % 2] = post(back, false, slot(false, c % 2));
-    }
-    for (size_t c = n >= 2 ? n - 2 : 0; c < n; ++c) land_back(c);
-  }
-
-  // Heads of `rank` in the part being moved, and in all (what the joined tensors hold).
-  HeadRange heads(const Field& f, int rank) const { return f.kv ? part_->kv[rank] : part_->q[rank]; }
-  HeadRange all_heads(const Field& f, int rank) const { return f.kv ? heads_.kv[rank] : heads_.q[rank]; }
-
-  // This rank's heads of the part being moved, in f's joined tensor.
-  TensorView joined_part(const Field& f) const {
-    const HeadRange h = heads(f, me_);
-    return narrow(f.joined, -2, h.first - all_heads(f, me_).first, h.count);
-  }
+  HeadRange heads(const Field& f, int rank) const { return f.kv ? heads_.kv[rank] : heads_.q[rank]; }
 
   // Field f's local tensor narrowed to `rank`'s heads, batched.
   TensorView local_heads(const Field& f, int rank) const {
@@ -238,7 +168,7 @@ class Exchange {
 
   // This rank's heads of the joined rows of f at `data` (null: only the shape).
   TensorView joined_view(const Field& f, void* data) const {
-    const int64_t count = all_heads(f, me_).count;
+    const int64_t count = heads(f, me_).count;
     if (f.lse) return joined_lse(plan_, data, device_, count);
     return joined_tokens(plan_, data, f.joined_dtype, device_, count, dim_);
   }
@@ -251,26 +181,13 @@ class Exchange {
   }
 
   // Room in the workspace for the joined tensors of both directions, the joined cu_seqlens and the
-  // staging slots; then the workspace, the joined views and, when packed, the cu_seqlens.
+  // staging memory; then the workspace, the joined views and, when packed, the cu_seqlens.
   void allocate(kernels::WorkspaceLayout& layout, const std::vector<Field*>& in, const std::vector<Field*>& back) {
     std::vector<size_t> joined_at;
     for (const auto* fields : {&in, &back})
       for (const Field* f : *fields) joined_at.push_back(layout.add(bytes_of(joined_view(*f, nullptr))));
     const size_t cu_at = layout.add(p_.packed ? static_cast<size_t>(plan_.batch + 1) * sizeof(int32_t) : 0);
-    size_t in_bytes = 0, back_bytes = 0;
-    for (const HeadSplit& part : parts_) {
-      part_ = &part;
-      in_bytes = std::max(in_bytes, staging(in, true).total);
-      back_bytes = std::max(back_bytes, staging(back, false).total);
-    }
-    if (parts_.size() == 1) {  // one slot, each way in turn
-      slots_at_[0][0] = slots_at_[1][0] = layout.add(std::max(in_bytes, back_bytes));
-    } else {
-      for (size_t j = 0; j < 2; ++j) {
-        slots_at_[1][j] = layout.add(in_bytes);
-        slots_at_[0][j] = layout.add(back_bytes);
-      }
-    }
+    staging_at_ = layout.add(std::max(staging(in, true).total, staging(back, false).total));
     workspace_ = kernels::Workspace(device_, layout.total(), stream_);
 
     size_t i = 0;
@@ -316,56 +233,63 @@ class Exchange {
     return s;
   }
 
-  // The staging slot j of one way (to_joined: toward the joined rows).
-  unsigned char* slot(bool to_joined, size_t j) const { return workspace_.data() + slots_at_[to_joined][j]; }
+  unsigned char* send_buffer() const { return workspace_.data() + staging_at_; }
 
-  // Packs the part's blocks of `fields` into the slot at `at` and posts their all-to-all. Toward
-  // the joined rows rank w gets this rank's rows of w's heads; back, rank j gets its rows of this
-  // rank's heads.
-  std::unique_ptr<CommRequest> post(const std::vector<Field*>& fields, bool to_joined, unsigned char* at) {
-    const Staging s = staging(fields, to_joined);
-    unsigned char* recv = at + s.send_total;
-    std::vector<P2POp> ops;
+  // Local rows -> joined rows of this rank's heads. Rank w gets this rank's rows of its heads.
+  void to_joined(const std::vector<Field*>& fields) {
+    const Staging s = staging(fields, true);
+    unsigned char* send = send_buffer();
+    unsigned char* recv = send + s.send_total;
     for (int w = 0; w < world_; ++w) {
       if (w == me_) continue;
-      const Block b = block(fields, me_, w, to_joined);
+      const Block b = block(fields, me_, w, true);
       for (size_t i = 0; i < fields.size(); ++i) {
         const Field& f = *fields[i];
-        unsigned char* data = at + s.send_offsets[w] + b.at[i];
-        if (to_joined) {
-          kernels::copy(local_heads(f, w), section(f, data, me_, heads(f, w).count), stream_);  // (B, S_r, heads of w, D)
-        } else {
-          for_each_run(plan_, w, section(f, data, w, heads(f, me_).count), batched(joined_part(f), p_.packed),
-                       f.row_dim(),
-                       [&](const TensorView& to, const TensorView& from) { kernels::copy(from, to, stream_); });
-        }
+        const TensorView dst = section(f, send + s.send_offsets[w] + b.at[i], me_, heads(f, w).count);
+        kernels::copy(local_heads(f, w), dst, stream_);  // (B, S_r, heads of w, D)
       }
-      ops.push_back(recv_op(w, recv + s.recv_offsets[w], s.recv_bytes[w]));
-      ops.push_back(send_op(w, at + s.send_offsets[w], s.send_bytes[w]));
     }
-    return comm_.send_recv(ops);
+    comm_.all_to_all(send, s.send_bytes, s.send_offsets, recv, s.recv_bytes, s.recv_offsets);
+    for (int u = 0; u < world_; ++u) {
+      const Block b = block(fields, u, me_, true);
+      for (size_t i = 0; i < fields.size(); ++i) {
+        const Field& f = *fields[i];
+        const TensorView src = u == me_ ? local_heads(f, me_)
+                                        : section(f, recv + s.recv_offsets[u] + b.at[i], u, heads(f, me_).count);
+        for_each_run(plan_, u, src, batched(f.joined, p_.packed), f.row_dim(),
+                     [&](const TensorView& from, const TensorView& to) { kernels::copy(from, to, stream_); });
+      }
+    }
   }
 
-  // After the all-to-all of `post`: toward the joined rows, every rank's sections (this rank's own
-  // rows from the local tensors) into the joined tensors; back, into the local heads they belong
-  // to, copied, or for a summed field added, in rank order.
-  void land(const std::vector<Field*>& fields, bool to_joined, unsigned char* at) {
-    const Staging s = staging(fields, to_joined);
-    unsigned char* recv = at + s.send_total;
-    for (int u = 0; u < world_; ++u) {
-      const Block b = block(fields, u, me_, to_joined);
+  // Joined rows of this rank's heads -> local rows. Rank j gets its rows of this rank's heads;
+  // what arrives is copied to, or for a summed field added to, the local heads it belongs to, in
+  // rank order.
+  void from_joined(const std::vector<Field*>& fields) {
+    const Staging s = staging(fields, false);
+    unsigned char* send = send_buffer();
+    unsigned char* recv = send + s.send_total;
+    for (int j = 0; j < world_; ++j) {
+      if (j == me_) continue;
+      const Block b = block(fields, me_, j, false);
       for (size_t i = 0; i < fields.size(); ++i) {
         const Field& f = *fields[i];
-        unsigned char* data = recv + s.recv_offsets[u] + b.at[i];
-        if (to_joined) {
-          const TensorView src = u == me_ ? local_heads(f, me_) : section(f, data, u, heads(f, me_).count);
-          for_each_run(plan_, u, src, batched(joined_part(f), p_.packed), f.row_dim(),
-                       [&](const TensorView& from, const TensorView& to) { kernels::copy(from, to, stream_); });
-        } else if (u == me_) {
-          for_each_run(plan_, me_, local_heads(f, me_), batched(joined_part(f), p_.packed), f.row_dim(),
+        const TensorView dst = section(f, send + s.send_offsets[j] + b.at[i], j, heads(f, me_).count);
+        for_each_run(plan_, j, dst, batched(f.joined, p_.packed), f.row_dim(),
+                     [&](const TensorView& to, const TensorView& from) { kernels::copy(from, to, stream_); });
+      }
+    }
+    comm_.all_to_all(send, s.send_bytes, s.send_offsets, recv, s.recv_bytes, s.recv_offsets);
+    for (int u = 0; u < world_; ++u) {
+      const Block b = block(fields, u, me_, false);
+      for (size_t i = 0; i < fields.size(); ++i) {
+        const Field& f = *fields[i];
+        const TensorView dst = local_heads(f, u);
+        if (u == me_) {
+          for_each_run(plan_, me_, dst, batched(f.joined, p_.packed), f.row_dim(),
                        [&](const TensorView& to, const TensorView& from) { put(f, from, to); });
         } else {
-          put(f, section(f, data, me_, heads(f, u).count), local_heads(f, u));
+          put(f, section(f, recv + s.recv_offsets[u] + b.at[i], me_, heads(f, u).count), dst);
         }
       }
     }
@@ -379,7 +303,7 @@ class Exchange {
   // Field f's joined tensor narrowed to the query or KV heads of segment s.
   TensorView at_segment(const Field& f, const HeadSegment& s) const {
     const HeadRange h = f.kv ? s.kv : s.q;
-    return narrow(f.joined, -2, h.first - all_heads(f, me_).first, h.count);
+    return narrow(f.joined, -2, h.first - heads(f, me_).first, h.count);
   }
 
   // The joined problem of head segment `s` of this rank's heads, with the segment's options.
@@ -403,48 +327,40 @@ class Exchange {
   const Problem& p_;
   const RowPlan& plan_;
   const int me_, world_;
-  const int64_t group_;  // query heads per KV head
   const HeadSplit heads_;
-  const std::vector<HeadSplit> parts_;
-  const HeadSplit* part_ = &heads_;  // the part that heads() describes
+  const HeadRange hq_;
   const int64_t dim_;
   const Device device_;
   void* const stream_;
   // Every buffer of a call, in one allocation; each all-to-all ends before it is released.
   kernels::Workspace workspace_;
-  size_t slots_at_[2][2] = {};  // [toward the joined rows][slot]
+  size_t staging_at_ = 0;
   std::optional<TensorView> cu_seqlens_;  // packed: the joined rows' cu_seqlens, in the workspace
 };
 
 }  // namespace
 
-void ulysses_exchange_forward(Communicator& comm, const Problem& p, const RowPlan& plan, const JoinedAttention& attend,
-                              bool pipelined) {
-  Exchange(comm, p, plan, pipelined).forward(attend);
+void ulysses_exchange_forward(Communicator& comm, const Problem& p, const RowPlan& plan,
+                              const JoinedAttention& attend) {
+  Exchange(comm, p, plan).forward(attend);
 }
 
 void ulysses_exchange_backward(Communicator& comm, const Problem& p, const RowPlan& plan,
-                               const JoinedAttention& attend, bool pipelined) {
-  Exchange(comm, p, plan, pipelined).backward(attend);
+                               const JoinedAttention& attend) {
+  Exchange(comm, p, plan).backward(attend);
 }
 
 void ulysses_forward(Communicator& comm, const Problem& p) {
-  ulysses_exchange_forward(
-      comm, p, contiguous_plan(p, comm.size()),
-      [](const Problem& joined) {
-        attention_forward(joined.q, joined.k, joined.v, joined.out, joined.lse, whole_sequence_params(joined, false));
-      },
-      true);
+  ulysses_exchange_forward(comm, p, contiguous_plan(p, comm.size()), [](const Problem& joined) {
+    attention_forward(joined.q, joined.k, joined.v, joined.out, joined.lse, whole_sequence_params(joined, false));
+  });
 }
 
 void ulysses_backward(Communicator& comm, const Problem& p) {
-  ulysses_exchange_backward(
-      comm, p, contiguous_plan(p, comm.size()),
-      [](const Problem& joined) {
-        attention_backward(joined.q, joined.k, joined.v, joined.out, joined.dout, joined.lse, joined.dq, joined.dk,
-                           joined.dv, whole_sequence_params(joined, true));
-      },
-      true);
+  ulysses_exchange_backward(comm, p, contiguous_plan(p, comm.size()), [](const Problem& joined) {
+    attention_backward(joined.q, joined.k, joined.v, joined.out, joined.dout, joined.lse, joined.dq, joined.dk,
+                       joined.dv, whole_sequence_params(joined, true));
+  });
 }
 
 }  // namespace ringflash::parallel

@@ -297,16 +297,6 @@ std::vector<ParallelCase> option_cases() {
         c.alibi = c.alibi_per_sequence = true;
         cases.push_back(c);
       }
-  // Ulysses moving its heads in two parts (two KV heads per rank at P = 2), GQA 2:1, padded and
-  // packed; window masks too, as the parts' kernels see only their heads' slopes and rows.
-  for (bool backward : {false, true})
-    for (MaskKind mask : {MaskKind::kCausal, MaskKind::kWindow})
-      for (bool packed : {false, true}) {
-        ParallelCase c = make_case(Strategy::kUlysses, backward, mask, 8, 4, 2);
-        c.alibi = true;
-        if (packed) c.docs = packed_docs();
-        cases.push_back(c);
-      }
   for (bool backward : {false, true})
     for (bool packed : {false, true}) {
       ParallelCase c = make_case(Strategy::kAllGather, backward, MaskKind::kCausal, 8, 2, 3);
