@@ -116,17 +116,69 @@ __global__ void __launch_bounds__(kThreads) contiguous_kernel(const ElementwiseA
     apply<kOp>(a, static_cast<D*>(a.dst)[tail], last ? last + tail : nullptr, last2 ? last2 + tail : nullptr);
 }
 
+// Views whose rows (the innermost dimension) are contiguous in every view and whole packs long,
+// with Pack-aligned starts and row strides, such as a slice of heads: `a` counted in packs, the
+// offsets of one pack per thread and step (the general kernel's index arithmetic, once for kVec
+// elements) and whole-pack loads and stores.
+template <ElementwiseOp kOp, typename S, typename D>
+__global__ void __launch_bounds__(kThreads) rows_kernel(const ElementwiseArgs a) {
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  auto* dst = static_cast<Pack<D>*>(a.dst);
+  const auto* src = static_cast<const Pack<S>*>(a.src);
+  const auto* src2 = static_cast<const Pack<float>*>(a.src2);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < a.numel; i += step) {
+    const Offsets at = offsets(a, i);
+    Pack<S> in;
+    Pack<float> in2;
+    if constexpr (kOp != ElementwiseOp::kFill) in = src[at.src];
+    if constexpr (kOp == ElementwiseOp::kAdd) in2 = src2[at.src2];
+    Pack<D> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) apply<kOp>(a, out.v[j], in.v + j, in2.v + j);
+    dst[at.dst] = out;
+  }
+}
+
+// `a` counted in packs for rows_kernel, if its views qualify.
+template <ElementwiseOp kOp, typename S, typename D>
+bool in_packs(const ElementwiseArgs& a, ElementwiseArgs* packs) {
+  const int inner = a.ndim - 1;
+  if (a.ndim < 2 || a.size[inner] % kVec != 0) return false;
+  const auto rows = [&](const int64_t* stride, const void* data, size_t pack_bytes) {
+    if (stride[inner] != 1 || reinterpret_cast<uintptr_t>(data) % pack_bytes != 0) return false;
+    for (int d = 0; d < inner; ++d)
+      if (stride[d] % kVec != 0) return false;
+    return true;
+  };
+  if (!rows(a.dst_stride, a.dst, sizeof(Pack<D>))) return false;
+  if (kOp != ElementwiseOp::kFill && !rows(a.src_stride, a.src, sizeof(Pack<S>))) return false;
+  if (kOp == ElementwiseOp::kAdd && !rows(a.src2_stride, a.src2, sizeof(Pack<float>))) return false;
+  *packs = a;
+  packs->numel = a.numel / kVec;
+  packs->size[inner] = a.size[inner] / kVec;
+  for (int d = 0; d < inner; ++d) {
+    packs->dst_stride[d] /= kVec;
+    packs->src_stride[d] /= kVec;
+    packs->src2_stride[d] /= kVec;
+  }
+  return true;
+}
+
 template <ElementwiseOp kOp, typename S, typename D>
 void launch(const ElementwiseArgs& a) {
   const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   const bool sources = kOp == ElementwiseOp::kFill || (a.src_stride[0] == 1 && aligned(a.src, sizeof(Pack<S>)));
   const bool second = kOp != ElementwiseOp::kAdd || (a.src2_stride[0] == 1 && aligned(a.src2, sizeof(Pack<float>)));
   const bool contiguous = a.ndim == 1 && a.dst_stride[0] == 1 && aligned(a.dst, sizeof(Pack<D>)) && sources && second;
-  const int64_t per_block = contiguous ? int64_t{kThreads} * kVec : kThreads;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((a.numel + per_block - 1) / per_block, kMaxBlocks));
-  const auto kernel = contiguous ? contiguous_kernel<kOp, S, D> : elementwise_kernel<kOp, S, D>;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(a.stream)>>>(a);
-  RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  const auto run = [&](auto kernel, const ElementwiseArgs& args, int64_t per_block) {
+    const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((args.numel + per_block - 1) / per_block, kMaxBlocks));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(args.stream)>>>(args);
+    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+  };
+  ElementwiseArgs packs;
+  if (contiguous) run(contiguous_kernel<kOp, S, D>, a, int64_t{kThreads} * kVec);
+  else if (in_packs<kOp, S, D>(a, &packs)) run(rows_kernel<kOp, S, D>, packs, kThreads);
+  else run(elementwise_kernel<kOp, S, D>, a, kThreads);
 }
 
 // Calls fn(T{}) for the storage type of a float dtype.
