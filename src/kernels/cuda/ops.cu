@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(kThreads) contiguous_kernel(const ElementwiseA
 // Views whose rows (the innermost dimension) are contiguous in every view and whole packs long,
 // with Pack-aligned starts and row strides, such as a slice of heads: `a` counted in packs, the
 // offsets of one pack per thread and step (the general kernel's index arithmetic, once for kVec
-// elements) and whole-pack loads and stores.
+// elements) and whole-pack loads and stores. Its body repeats contiguous_kernel's: with the pack's
+// work in a shared helper, ptxas no longer unrolled contiguous_kernel's loop.
 template <ElementwiseOp kOp, typename S, typename D>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const ElementwiseArgs a) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
