@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads) contiguous_kernel(const ElementwiseA
 // with Pack-aligned starts and row strides, such as a slice of heads: `a` counted in packs, the
 // offsets of one pack per thread and step (the general kernel's index arithmetic, once for kVec
 // elements) and whole-pack loads and stores. Its body repeats contiguous_kernel's: with the pack's
-// work in a shared helper, ptxas no longer unrolled contiguous_kernel's loop.
+// work in a shared helper, ptxas compiled contiguous_kernel (measured as it is) to a third of its
+// instructions, fewer loads in flight.
 template <ElementwiseOp kOp, typename S, typename D>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const ElementwiseArgs a) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
