@@ -297,6 +297,10 @@ std::vector<ParallelCase> option_cases() {
         c.alibi = c.alibi_per_sequence = true;
         cases.push_back(c);
       }
+  // Three KV heads on two ranks: ulysses gives each rank two, the middle one to both, whose
+  // gradients come back from each and are summed into a slice of dk and dv's heads.
+  for (bool backward : {false, true})
+    for (Strategy strategy : kStrategies) cases.push_back(make_case(strategy, backward, MaskKind::kCausal, 6, 3, 2));
   for (bool backward : {false, true})
     for (bool packed : {false, true}) {
       ParallelCase c = make_case(Strategy::kAllGather, backward, MaskKind::kCausal, 8, 2, 3);

@@ -7,7 +7,8 @@ on cuda:r, each started once:
 
 * accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid in every 2D layout of the ranks
   (2 x 1 and 1 x 2 on 2 GPUs; ulysses x ring), x {causal, window (300, 0), window (256, 64)} x {MHA 4/4, GQA 8/2} x lengths 1013 and
-  4097 (no multiple of 2P) x {fp16, bf16}, head dim 128, plus two cases at head dim 64; out, lse,
+  4097 (no multiple of 2P) x {fp16, bf16}, head dim 128, plus three cases at head dim 64 (one
+  with 6 query and 3 K/V heads, whose middle K/V head ulysses gives both ranks); out, lse,
   dq, dk and dv. Every rank builds the global inputs from a seed, computes the float64 reference
   (reference.attention, on its own GPU) and the single-GPU result (ringflash.flash_attn_func on the
   whole sequence), and checks its shard by DESIGN.md's rule with the single-GPU result as the
@@ -95,7 +96,8 @@ class Case:
 
 CASES = [Case(seqlen, heads, heads_kv, 128, dtype, mask)
          for seqlen in LENGTHS for dtype in DTYPE_NAMES for mask in MASKS for heads, heads_kv in HEADS]
-CASES += [Case(1013, 8, 2, 64, torch.bfloat16, "causal"), Case(4097, 4, 4, 64, torch.float16, "window(256,64)")]
+CASES += [Case(1013, 8, 2, 64, torch.bfloat16, "causal"), Case(4097, 4, 4, 64, torch.float16, "window(256,64)"),
+          Case(1013, 6, 3, 64, torch.bfloat16, "causal")]  # ulysses: a KV head on both ranks, summed into a slice
 RUNS_PER_CASE = len(STRATEGIES) + len(HYBRID)
 
 
