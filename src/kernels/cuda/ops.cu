@@ -141,13 +141,15 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ElementwiseArgs a)
   }
 }
 
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 // `a` counted in packs for rows_kernel, if its views qualify.
 template <ElementwiseOp kOp, typename S, typename D>
 bool in_packs(const ElementwiseArgs& a, ElementwiseArgs* packs) {
   const int inner = a.ndim - 1;
   if (a.ndim < 2 || a.size[inner] % kVec != 0) return false;
   const auto rows = [&](const int64_t* stride, const void* data, size_t pack_bytes) {
-    if (stride[inner] != 1 || reinterpret_cast<uintptr_t>(data) % pack_bytes != 0) return false;
+    if (stride[inner] != 1 || !aligned(data, pack_bytes)) return false;
     for (int d = 0; d < inner; ++d)
       if (stride[d] % kVec != 0) return false;
     return true;
@@ -168,7 +170,6 @@ bool in_packs(const ElementwiseArgs& a, ElementwiseArgs* packs) {
 
 template <ElementwiseOp kOp, typename S, typename D>
 void launch(const ElementwiseArgs& a) {
-  const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   const bool sources = kOp == ElementwiseOp::kFill || (a.src_stride[0] == 1 && aligned(a.src, sizeof(Pack<S>)));
   const bool second = kOp != ElementwiseOp::kAdd || (a.src2_stride[0] == 1 && aligned(a.src2, sizeof(Pack<float>)));
   const bool contiguous = a.ndim == 1 && a.dst_stride[0] == 1 && aligned(a.dst, sizeof(Pack<D>)) && sources && second;
