@@ -58,19 +58,29 @@ __device__ __forceinline__ void query_tiles(const core::Mask& mask, const core::
 template <bool kRaw = false, int kMT, int kNT>
 __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const ScoreTransform& f, bool alibi,
                                                  bool partial, const TileMask& tile, int row0, int lane) {
+  const int col0 = (lane % 4) * 2;  // the lane's first column
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + lane / 4 + half * 8;
+      // The row's visible columns less the lane's first, [first, last]: an element's test is then
+      // two compares of these against a constant.
+      int first, last;
+      tile.columns(row, &first, &last);
+      first -= col0;
+      last -= col0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-        const int col = nt * 8 + (lane % 4) * 2 + (i % 2);
-        float x = kRaw ? s[mt][nt][i] : f(s[mt][nt][i]);
-        if (!kRaw && alibi) x = f.alibi(x, tile.distance(row, col));
-        if (partial && !tile.visible(row, col)) x = -INFINITY;
-        s[mt][nt][i] = x;
-      }
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int i = 2 * half + j, k = nt * 8 + j;
+          float x = kRaw ? s[mt][nt][i] : f(s[mt][nt][i]);
+          if (!kRaw && alibi) x = f.alibi(x, tile.distance(row, col0 + k));
+          if (partial && !((k >= first) & (k <= last))) x = -INFINITY;
+          s[mt][nt][i] = x;
+        }
+    }
 }
 
 // Online softmax over one key tile of a warp's rows: s (scores in log2 units, times `scale`)

@@ -26,6 +26,11 @@ struct TileMask {
     const int d = col - row;
     return (row < rows) & (col < cols) & (d >= lo) & (d <= hi);
   }
+  // The visible columns of `row`: [*first, *last], empty (*last < *first) past the tile's rows.
+  __device__ __forceinline__ void columns(int row, int* first, int* last) const {
+    *first = row + lo;
+    *last = row < rows ? min(row + hi, cols - 1) : -1;
+  }
   // Whether every element of a kRows x kCols tile is visible.
   __device__ __forceinline__ bool whole(int max_rows, int max_cols) const {
     return rows == max_rows && cols == max_cols && lo <= 1 - max_rows && hi >= max_cols - 1;

@@ -35,6 +35,8 @@
 
 #include <cuda.h>
 
+#include <type_traits>
+
 #include "../../common/tile_order.h"
 #include "../forward.cuh"
 #include "ptx.h"
@@ -363,22 +365,31 @@ struct Forward {
     const uint64_t k_desc = k_major_desc(smem_u32(sk)), v_desc = mn_major_desc(smem_u32(sv), kBlockN * 128);
     const auto at_stage = [](uint64_t desc, int stage) { return advance(desc, stage * kKVBytes); };
 
-    // S = Q K^T of the tile in `stage` for this consumer's 64 rows, issued and committed as one group.
-    const auto issue_qk = [&](int stage) {
+    // S = Q K^T of the tile in `stage` for this consumer's 64 rows, issued and committed as one
+    // group; with `half` (kHalf) over the tile's first kBlockN / 2 keys only, into s_low (the first
+    // half of S's accumulators in the whole tile's shape).
+    float s_low[kNT * 2];
+    const auto issue_qk = [&](int stage, auto half) {
+      constexpr int kN = decltype(half)::value ? kBlockN / 2 : kBlockN;
+      auto& d = *reinterpret_cast<float(*)[kN / 2]>(decltype(half)::value ? s_low : s_flat);
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        Wgmma<T, kBlockN>::template ss<0, 0>(s_flat, k_step(q_desc, kBlockM, ks),
-                                          k_step(at_stage(k_desc, stage), kBlockN, ks), ks > 0);
+        Wgmma<T, kN>::template ss<0, 0>(d, k_step(q_desc, kBlockM, ks), k_step(at_stage(k_desc, stage), kBlockN, ks),
+                                        ks > 0);
       wgmma_commit();
     };
     // O += P V of the tile in `stage`, issued and committed as one group: 16 keys (two 8-row atoms
-    // of 1024 bytes) per step, V's column blocks kBlockN rows apart.
-    const auto issue_pv = [&](int stage) {
+    // of 1024 bytes) per step, V's column blocks kBlockN rows apart; with `half`, the first
+    // kBlockN / 2 keys.
+    const auto issue_pv = [&](int stage, auto half) {
+      constexpr int kSteps = (decltype(half)::value ? kBlockN / 2 : kBlockN) / 16;
 #pragma unroll
-      for (int ps = 0; ps < kBlockN / 16; ++ps)
+      for (int ps = 0; ps < kSteps; ++ps)
         Wgmma<T, kHeadDim>::template rs<1>(o_flat, pa[ps], advance(at_stage(v_desc, stage), ps * 2 * 1024), true);
       wgmma_commit();
     };
+    constexpr std::false_type kWhole{};
+    constexpr std::true_type kHalf{};
     // Key tile i's mask against `mask_rows` query rows.
     const int64_t pq0 = seq.pos_q + q0;
     const auto tile_mask = [&](int i, int mask_rows) {
@@ -420,10 +431,18 @@ struct Forward {
     // consumer computes its first `mine` tiles only, then frees the rest as they arrive and takes
     // its turns in the ring without issuing (every consumer takes tiles + 1 turns).
     int mine = 0;
+    bool half_last = false;
     if (const int own_rows = rows - consumer * 64; own_rows > 0) {
       int64_t first, end;
       key_tiles<kBlockN>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
       mine = static_cast<int>(end - n_begin < tiles ? (end > n_begin ? end - n_begin : 0) : tiles);
+      // Whether its rows see only the first half of their last tile (the first consumer's diagonal
+      // tile under a causal mask): that tile's products then run over those keys alone (plain
+      // scores; the other instance's registers leave no room for the second copy of the step).
+      if (kPlain && kBlockN == 128 && mine >= 2 && n_begin + mine == end) {
+        key_tiles<kBlockN / 2>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
+        half_last = end == 2 * (n_begin + mine) - 1;
+      }
     }
     // Only the last key tile can run past the sequence. In a packed batch its V rows past the
     // sequence are zeroed before P V (every consumer, then a barrier of them); in a padded one
@@ -453,7 +472,7 @@ struct Forward {
       mbarrier_wait(&k_full[cur.stage], cur.phase);
       my_turn();
       wgmma_fence();
-      issue_qk(cur.stage);
+      issue_qk(cur.stage, kWhole);
       pass_turn();
       wgmma_wait<0>();
       keep(s_flat);
@@ -462,19 +481,26 @@ struct Forward {
       to_a();
       cur.next();
     }
-    for (int i = 1; i < mine; ++i, cur.next(), prev.next()) {
+    // Tile i's S and P(i - 1) V, then P(i); `half` as issue_qk's, for tile i.
+    const auto step = [&](int i, auto half) {
       mbarrier_wait(&k_full[cur.stage], cur.phase);
       mbarrier_wait(&v_full[prev.stage], prev.phase);
       keep(o_flat);
       keep(pa);
       my_turn();
       wgmma_fence();
-      issue_qk(cur.stage);
+      issue_qk(cur.stage, half);
       rescale_pending();
-      issue_pv(prev.stage);
+      issue_pv(prev.stage, kWhole);
       pass_turn();
       wgmma_wait<1>();  // S(i) is in; P(i - 1) V runs on
-      keep(s_flat);
+      if constexpr (decltype(half)::value) {
+        keep(s_low);
+#pragma unroll
+        for (int e = 0; e < kNT * 4; ++e) s_flat[e] = e < kNT * 2 ? s_low[e] : -INFINITY;  // none sees the rest
+      } else {
+        keep(s_flat);
+      }
       if (lane == 0) mbarrier_arrive(&k_empty[cur.stage]);  // K(i) is free
       moved = softmax(i, correction);
       ahead_of_wait(smem_u32(&scratch[threadIdx.x - 128]), row_sum[0][0] + row_sum[0][1]);  // P(i) under P(i - 1) V
@@ -483,20 +509,28 @@ struct Forward {
       keep(pa);
       if (lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(i - 1) is free
       to_a();
-    }
-    if (mine > 0) {
+      cur.next();
+      prev.next();
+    };
+    for (int i = 1; i < (half_last ? mine - 1 : mine); ++i) step(i, kWhole);
+    if (half_last) step(mine - 1, kHalf);
+    // P V of the last tile (each way with its own wait, so that no product is in flight where the
+    // two meet).
+    const auto last_pv = [&](auto half) {
       mbarrier_wait(&v_full[prev.stage], prev.phase);
       if (mine == tiles) clean_last_v(prev.stage);  // the last tile's
       keep(o_flat);
       keep(pa);
       my_turn();
       rescale_pending();
-      issue_pv(prev.stage);
+      issue_pv(prev.stage, half);
       pass_turn();
       wgmma_wait<0>();
       keep(o_flat);
       if (lane == 0) mbarrier_arrive(&v_empty[prev.stage]);  // V(mine - 1) is free
-    }
+    };
+    if (half_last) last_pv(kHalf);
+    else if (mine > 0) last_pv(kWhole);
     if (mine < tiles) {  // tiles [mine, tiles): turns without products
       if (mine == 0) {
         my_turn();
