@@ -437,9 +437,8 @@ struct Forward {
       key_tiles<kBlockN>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
       mine = static_cast<int>(end - n_begin < tiles ? (end > n_begin ? end - n_begin : 0) : tiles);
       // Whether its rows see only the first half of their last tile (the first consumer's diagonal
-      // tile under a causal mask): that tile's products then run over those keys alone (plain
-      // scores; the other instance's registers leave no room for the second copy of the step).
-      if (kPlain && kBlockN == 128 && mine >= 2 && n_begin + mine == end) {
+      // tile under a causal mask): that tile's products then run over those keys alone.
+      if (kBlockN == 128 && mine >= 2 && n_begin + mine == end) {
         key_tiles<kBlockN / 2>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
         half_last = end == 2 * (n_begin + mine) - 1;
       }
