@@ -21,7 +21,9 @@
 //   - Ping-pong: the consumers issue their products in turn (a named barrier each), so that one's
 //     softmax runs while the tensor cores work through the others' products.
 //   - A consumer whose rows see fewer key tiles than the block's (the first consumers, under a
-//     causal mask) computes only its own and takes its remaining turns without products.
+//     causal mask) computes only its own and takes its remaining turns without products; where
+//     they see only the first half of their last tile (the first consumer's diagonal tile), that
+//     tile's S and P V run over those keys alone.
 //   - The softmax (scale, softcap, ALiBi, mask) is the sm_80 kernel's: a wgmma accumulator holds,
 //     per warp, the fragments of mma.sync m16n8k16. A whole query tile's output goes out by TMA
 //     from shared memory (each consumer's rows into its rows of the Q tile, which its products no
