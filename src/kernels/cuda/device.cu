@@ -13,6 +13,7 @@
 #include "instances.h"
 #include "params.h"
 #include "ringflash/errors.h"
+#include "scratch.h"
 
 namespace ringflash::cuda {
 namespace {
@@ -34,7 +35,6 @@ struct Kernels {
   ForwardFn forward = nullptr;
   BackwardFn backward = nullptr;
   bool backward_writes_dq = false;  // dQ by query tiles: no fp32 accumulator
-  bool forward_counts_items = false;  // persistent (the sm_90a forward at head dim 64): Params::items_taken
 };
 
 // Kernels are built for head dims 64, 128 and 256; a smaller head dim (a multiple of 8) runs on
@@ -107,7 +107,7 @@ Kernels hopper_kernels(int64_t head_dim) {
   switch (instance_head_dim(head_dim)) {
 #ifndef RINGFLASH_DISABLE_HDIM64
     case 64:
-      return {sm90::run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 64>), false, true};
+      return {sm90::run_forward<T, 64>, RINGFLASH_BACKWARD_OR_NULL(sm90::run_backward<T, 64>)};
 #endif
 #ifndef RINGFLASH_DISABLE_HDIM128
     case 128:
@@ -174,10 +174,7 @@ std::string choose(const AttentionArgs& a, bool backward, Kernels* chosen, int* 
   if (hopper(capability)) {
     const Kernels h = a.dtype == DType::kFloat16 ? hopper_kernels<__half>(a.head_dim)
                                                  : hopper_kernels<__nv_bfloat16>(a.head_dim);
-    if (h.forward && hopper_gap(a, false).empty()) {
-      chosen->forward = h.forward;
-      chosen->forward_counts_items = h.forward_counts_items;
-    }
+    if (h.forward && hopper_gap(a, false).empty()) chosen->forward = h.forward;
     if (h.backward && backward && hopper_gap(a, true).empty()) {
       chosen->backward = h.backward;
       chosen->backward_writes_dq = h.backward_writes_dq;
@@ -216,22 +213,6 @@ bool is_available() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
-// Scratch memory of one call, from allocate() (ringflash's pool) and released stream-ordered when
-// the call returns or throws.
-struct Scratch {
-  int device;
-  void* stream;
-  void* data = nullptr;
-  Scratch(int device, size_t bytes, void* stream) : device(device), stream(stream) {
-    if (bytes > 0) data = allocate(device, bytes, stream);
-  }
-  ~Scratch() {
-    if (data) release(device, data, stream);
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-};
-
 std::string describe() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
@@ -266,9 +247,7 @@ void attention_forward(const AttentionArgs& args) {
   RINGFLASH_CHECK(reason.empty(), NotSupported, "[attention_forward] ", reason);
   check_aligned("attention_forward", {{&args.out, "out"}}, args.out_dtype);
   DeviceGuard guard(device);
-  Params p = make_params(args);
-  const Scratch taken(device, k.forward_counts_items ? sizeof(int) : 0, args.stream);
-  p.items_taken = static_cast<int*>(taken.data);
+  const Params p = make_params(args);
   k.forward(p, static_cast<cudaStream_t>(args.stream));
 }
 

@@ -119,9 +119,6 @@ struct Params {
   float* lse2 = nullptr;
   int64_t stat_batch_stride = 0, stat_head_stride = 0;
 
-  // The persistent sm_90a forward's count of the items its blocks have taken (zeroed by its launcher).
-  int* items_taken = nullptr;
-
   __host__ __device__ core::Mask mask() const { return {a.window_left, a.window_right}; }
   __device__ ScoreTransform score_transform(int64_t b, int64_t h) const {
     const float slope = a.alibi_slopes ? a.alibi_slopes[b * a.alibi_batch_stride + h] * kLog2e : 0.0f;

@@ -184,7 +184,7 @@ struct Forward {
   // Head dim 64 runs persistent: a block per SM takes items from a Schedule, so that an item's
   // start (its tile, Q and K(0) in) overlaps the last item's end. Head dims 128 and 256 run a
   // block per item: persistent, head dim 128 ran 0.93-0.98x at 8k-16k (bench/NOTES.md, h29).
-  // hopper_kernels() in device.cu gives the persistent instance its item counter.
+  // launch_forward gives the persistent instance its item counter, from the call's scratch.
   static constexpr bool kPersistent = kHeadDim == 64;
 
   static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order, const Schedule& work) {

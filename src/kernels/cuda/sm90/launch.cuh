@@ -12,6 +12,7 @@
 
 #include "../check.h"
 #include "../launch.cuh"
+#include "../scratch.h"
 #include "backward.cuh"
 #include "dq.cuh"
 #include "forward.cuh"
@@ -142,9 +143,10 @@ void launch_forward(const Params& p, cudaStream_t stream) {
     const int64_t blocks = std::min<int64_t>(items, sm_count());
     RINGFLASH_CHECK(items + blocks <= INT32_MAX, NotSupported, "[cuda] the Hopper forward takes at most ", INT32_MAX,
                     " query tiles in all; got ", items);
-    RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.items_taken, 0, sizeof(int), stream));
+    const Scratch taken(a.device, sizeof(int), stream);
+    RINGFLASH_CUDA_CHECK(cudaMemsetAsync(taken.data, 0, sizeof(int), stream));
     forward_kernel<T, kHeadDim, kPlain><<<static_cast<unsigned>(blocks), F::kThreads, F::kSmemBytes, stream>>>(
-        p, maps, order, Schedule{p.items_taken, static_cast<int>(items)});
+        p, maps, order, Schedule{static_cast<int*>(taken.data), static_cast<int>(items)});
   } else {
     forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order, Schedule{});
   }
