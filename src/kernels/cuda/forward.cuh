@@ -90,15 +90,21 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
 // keeps max -inf; exponents are then taken against 0 so that exp2(-inf - -inf) never makes a NaN.
 // (A max allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
 // longer exactly 1 once rounded to T.) Element (mt, nt, i) is as in transform_scores.
-template <int kMT, int kNT>
+//
+// kInTurn: each row half's max starts from a -inf that ptxas cannot see through (an FFMA of the
+// last half's first probability by 0), so that it cannot hoist a half's max above the last half's
+// exponents. In the sm_90a forward the first exponent then comes 54 instructions after the wait
+// for S rather than 75, or 108 in other builds of the same loop (bench/NOTES.md h30, h44).
+template <bool kInTurn = false, int kMT, int kNT>
 __device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float scale, float (&correction)[kMT][2]) {
   bool moved = false;
+  float start = -INFINITY;  // of each half's max
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = -INFINITY;
+      float mx = start;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       const float old = row_max[mt][half];
@@ -116,6 +122,8 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&ro
           sum += s[mt][nt][i];
         }
       row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
+      // -inf, or NaN where P is not finite, which fmaxf passes over.
+      if constexpr (kInTurn) start = fmaf(s[mt][0][2 * half], 0.0f, -INFINITY);
     }
   return __any_sync(0xffffffffu, moved);
 }

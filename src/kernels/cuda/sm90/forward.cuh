@@ -186,6 +186,9 @@ struct Forward {
   // block per item: persistent, head dim 128 ran 0.93-0.98x at 8k-16k (bench/NOTES.md, h29).
   // launch_forward gives the persistent instance its item counter, from the call's scratch.
   static constexpr bool kPersistent = kHeadDim == 64;
+  // The softmax takes its row halves in turn (softmax_tile's kInTurn) at head dim 128, where the
+  // forward ran 0.7-1.6 % faster so; at 64 it ran the same, at 256 up to 0.8 % slower (h44).
+  static constexpr bool kHalvesInTurn = kHeadDim == 128;
 
   static __device__ void run(const Params& p, const Maps& maps, const core::TileOrder& order, const Schedule& work) {
     extern __shared__ unsigned char raw[];
@@ -416,10 +419,10 @@ struct Forward {
       const TileMask tile = tile_mask(i, kBlockM);
       if constexpr (kPlain) {  // the scores stay raw: the scale goes into the exponent
         if (partial) transform_scores<true>(s, f, false, true, tile, warp_row0, tile_lane);
-        return softmax_tile(s, row_max, row_sum, p.qk_scale, correction);
+        return softmax_tile<kHalvesInTurn>(s, row_max, row_sum, p.qk_scale, correction);
       } else {
         transform_scores(s, f, alibi, partial, tile, warp_row0, tile_lane);
-        return softmax_tile(s, row_max, row_sum, 1.0f, correction);
+        return softmax_tile<kHalvesInTurn>(s, row_max, row_sum, 1.0f, correction);
       }
     };
     const auto to_a = [&] {
