@@ -437,14 +437,14 @@ struct Forward {
     // its turns in the ring without issuing (every consumer takes tiles + 1 turns).
     int mine = 0;
     bool half_last = false;
-    if (const int own_rows = rows - consumer * 64; own_rows > 0) {
+    if (const int own_rows = min(rows - consumer * 64, 64); own_rows > 0) {
       int64_t first, end;
-      key_tiles<kBlockN>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
+      key_tiles<kBlockN>(mask, seq, q0 + consumer * 64, own_rows, &first, &end);
       mine = static_cast<int>(end - n_begin < tiles ? (end > n_begin ? end - n_begin : 0) : tiles);
       // Whether its rows see only the first half of their last tile (the first consumer's diagonal
       // tile under a causal mask): that tile's products then run over those keys alone.
       if (kBlockN == 128 && mine >= 2 && n_begin + mine == end) {
-        key_tiles<kBlockN / 2>(mask, seq, q0 + consumer * 64, own_rows < 64 ? own_rows : 64, &first, &end);
+        key_tiles<kBlockN / 2>(mask, seq, q0 + consumer * 64, own_rows, &first, &end);
         half_last = end == 2 * (n_begin + mine) - 1;
       }
     }
