@@ -323,11 +323,10 @@ class Ring {
     // disjoint, the calls write their rows (overwrite_dkdv) and only the rows that none covers are
     // zeroed; otherwise the whole buffer is zeroed and the calls add.
     const bool own_dq = dq.dtype() != DType::kFloat32;
-    const bool in_halves = two_steps_in_halves();
     const size_t grad_bytes = static_cast<size_t>(2 * kv_elements_) * sizeof(float);
     kernels::WorkspaceLayout layout;
     const size_t dq_at = layout.add(own_dq ? static_cast<size_t>(dq.numel()) * sizeof(float) : 0);
-    const size_t own_at = layout.add(in_halves ? 0 : static_cast<size_t>(2 * rows_elements(rank_)) * sizeof(float));
+    const size_t own_at = layout.add(static_cast<size_t>(2 * rows_elements(rank_)) * sizeof(float));
     const size_t partial_at[2] = {layout.add(grad_bytes), layout.add(grad_bytes)};
     const size_t block_at = layout.add(steps_ > 2 ? grad_bytes : 0);  // from step 2 on
     plan_travel(layout);
@@ -337,11 +336,6 @@ class Ring {
     unsigned char* own = workspace_.data() + own_at;
     unsigned char* partial[2] = {workspace_.data() + partial_at[0], workspace_.data() + partial_at[1]};
     unsigned char* block = workspace_.data() + block_at;
-    if (in_halves) {
-      backward_in_halves(dq_acc, out, dout, lse, partial[0], partial[1]);
-      if (own_dq) kernels::copy(dq_acc, dq, stream_);
-      return;
-    }
 
     // This rank's own block in two halves when the ring goes on: one now, the other while the
     // last hop travels. Halves of its K/V heads (each half's calls are the whole block's, with
@@ -349,13 +343,12 @@ class Ring {
     // forward nothing travels now, and the whole block runs under the last hop.
     const Part halves[2] = {own_half(0), own_half(1)};
     const std::vector<Call> own_calls[2] = {calls(rank_, halves[0].keys), calls(rank_, halves[1].keys)};
-    const KeyValues own_grads[2] = {heads(grad_views(own, rank_), halves[0].heads),
-                                    heads(grad_views(own, rank_), halves[1].heads)};
-    const bool own_written[2] = {prepare_grads(own_calls[0], own_grads[0], halves[0].keys),
-                                 prepare_grads(own_calls[1], own_grads[1], halves[1].keys)};
+    const bool own_written[2] = {prepare_grads(own_calls[0], own, rank_, halves[0]),
+                                 prepare_grads(own_calls[1], own, rank_, halves[1])};
     const auto own_part = [&](int half) {
+      const KeyValues grads = grad_views(own, rank_);
       for (const Call& c : own_calls[half])
-        backward_call(c, home_, own_grads[half], dq_acc, out, dout, lse, own_written[half], halves[half].heads);
+        backward_call(c, home_, grads, dq_acc, out, dout, lse, own_written[half], halves[half].heads);
     };
 
     prepare_travel();
@@ -377,7 +370,7 @@ class Ring {
       // some call reached, and only those need to be ready.
       const Block ready = steps_ == 2 ? read_rows(src, 1) : Block{0, geo_.rows[src]};
       const bool written =
-          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, grad_views(target, src), ready);
+          (s == 1 || !step_calls.empty()) && prepare_grads(step_calls, target, src, {ready, all_heads()});
       for (const Call& c : step_calls)
         backward_call(c, kv, grad_views(target, src), dq_acc, out, dout, lse, written, all_heads());
       if (s > 1) {
@@ -461,100 +454,37 @@ class Ring {
     return {h.first * group, h.count * group};
   }
 
-  // Heads `h` of a (B, rows, H, D) tensor, or of both of a pair.
+  // Heads `h` of a (B, rows, H, D) tensor.
   static TensorView heads(const TensorView& t, const Heads& h) { return narrow(t, 2, h.first, h.count); }
-  static KeyValues heads(const KeyValues& kv, const Heads& h) { return {heads(kv.k, h), heads(kv.v, h)}; }
 
-  // Readies rows `keys` of `grads`, fp32 dK/dV of a block (of the heads the calls take), for
+  // Readies the rows and heads of `part` of the fp32 dK/dV of `rank`'s block at `grads` for
   // `calls`. When their key blocks are disjoint: zeros in the rows that none of them covers, and
   // true (the calls write their own rows, overwrite_dkdv). Otherwise: zeros in all of them, and
   // false (the calls add).
-  bool prepare_grads(const std::vector<Call>& calls, const KeyValues& grads, const Block& keys) const {
-    const std::optional<std::vector<Block>> gaps = uncovered(calls, &Call::k, keys);
-    for (const Block& zeros : gaps ? *gaps : std::vector<Block>{keys})
-      for (const TensorView& t : {grads.k, grads.v})
-        if (zeros.count > 0 && t.numel() > 0) kernels::fill(rows(t, zeros), 0.0f, stream_);
+  bool prepare_grads(const std::vector<Call>& calls, unsigned char* grads, int rank, const Part& part) const {
+    const std::optional<std::vector<Block>> gaps = uncovered(calls, &Call::k, part.keys);
+    const KeyValues views = grad_views(grads, rank);
+    for (const Block& zeros : gaps ? *gaps : std::vector<Block>{part.keys})
+      for (const TensorView& t : {views.k, views.v})
+        if (zeros.count > 0 && part.heads.count > 0) kernels::fill(heads(rows(t, zeros), part.heads), 0.0f, stream_);
     return gaps.has_value();
   }
 
-  // One backward call of a step, on K/V heads `h`: gradients added into dq_acc and into (or, where
-  // `overwrite`, written to) `grads`, the fp32 dK/dV of the step's K/V on those heads. With
-  // `final` (dK and dV on those heads, in k's dtype) the sums go there rounded instead, and
-  // `grads` is only read (final_dk, final_dv).
+  // One backward call of a step, on heads `h`: gradients added into dq_acc and into (or, where
+  // `overwrite`, written to) `grads`, the fp32 dK/dV of the step's K/V.
   void backward_call(const Call& c, const KeyValues& kv, const KeyValues& grads, const TensorView& dq_acc,
                      const TensorView& out, const TensorView& dout, const TensorView& lse, bool overwrite,
-                     const Heads& h, const KeyValues* final = nullptr) const {
+                     const Heads& h) const {
     if (h.count == 0) return;
     AttentionParams params = c.params;
     params.overwrite_dkdv = overwrite;
-    if (final) {
-      params.final_dk = rows(final->k, c.k);
-      params.final_dv = rows(final->v, c.k);
-    }
     const Heads hq = query_heads(h);
     if (params.alibi_slopes) params.alibi_slopes = narrow(*params.alibi_slopes, -1, hq.first, hq.count);
     const auto q_rows = [&](const TensorView& t) { return heads(rows(t, c.q), hq); };
     const auto k_rows = [&](const TensorView& t) { return heads(rows(t, c.k), h); };
     attention_backward(q_rows(q_), k_rows(kv.k), k_rows(kv.v), q_rows(out), q_rows(dout),
-                       narrow(lse_rows(lse, c.q), 1, hq.first, hq.count), q_rows(dq_acc), rows(grads.k, c.k),
-                       rows(grads.v, c.k), params);
-  }
-
-  // A ring of two steps with the K/V kept from the forward and more than one K/V head, whose own
-  // calls write disjoint key rows: the backward runs in two halves of the K/V heads, so that no
-  // pass adds this rank's dK/dV to what the other rank sends. First the step against the other
-  // rank's K/V, half by half, each half's partial sent home as soon as it is done (the first
-  // travels beside the second half's calls); then this rank's own calls, half by half, each once
-  // that half's partial of its own block has arrived, taking it as the addend of final_dk and
-  // final_dv, so that they write dK and dV rounded (the second half's partial travels beside the
-  // first half's calls).
-  // Every rank decides the same, as the messages differ.
-  bool two_steps_in_halves() const {
-    if (steps_ != 2 || !kept_ || p_.heads_kv < 2) return false;
-    for (int rank = 0; rank < world_; ++rank)
-      if (!uncovered(calls_of(rank, rank), &Call::k, {0, geo_.rows[rank]})) return false;
-    return true;
-  }
-
-  void backward_in_halves(const TensorView& dq_acc, const TensorView& out, const TensorView& dout,
-                          const TensorView& lse, unsigned char* sent, unsigned char* arrived) {
-    const int other = source(1);
-    const KeyValues kv = key_values(1);
-    const std::vector<Call> step_calls = calls(other), own_calls = calls(rank_);
-    // The rows of the other rank's block that this rank's calls reach, and of this rank's that the
-    // other's reach: what each partial carries.
-    const Block send_rows = read_rows(other, 1), reached = read_rows(rank_, 1);
-    const Block mine{0, geo_.rows[rank_]};
-    const int64_t split = p_.heads_kv / 2;
-    const Heads halves[2] = {{0, split}, {split, p_.heads_kv - split}};
-    const TensorView dk = batched(p_.dk, p_.packed), dv = batched(p_.dv, p_.packed);
-    std::unique_ptr<CommRequest> hops[2];
-    for (int half = 0; half < 2; ++half) {
-      const KeyValues send = half_grad_views(sent, other, halves, half);
-      const KeyValues recv = half_grad_views(arrived, rank_, halves, half);
-      // What arrives covers `reached`; the own calls add the rest of their rows to zeros.
-      const int64_t after = reached.row + reached.count;
-      for (const Block& zeros : {Block{0, reached.row}, Block{after, mine.count - after}})
-        for (const TensorView& t : {recv.k, recv.v})
-          if (zeros.count > 0) kernels::fill(rows(t, zeros), 0.0f, stream_);
-      const bool written = prepare_grads(step_calls, send, send_rows);
-      for (const Call& c : step_calls)
-        backward_call(c, kv, send, dq_acc, out, dout, lse, written, halves[half]);
-      hops[half] = exchange(send, send_rows, other, recv, reached, other);
-    }
-    for (int half = 0; half < 2; ++half) {
-      hops[half]->wait();
-      const KeyValues recv = half_grad_views(arrived, rank_, halves, half);
-      const KeyValues final{heads(dk, halves[half]), heads(dv, halves[half])};
-      for (const Call& c : own_calls)
-        backward_call(c, home_, recv, dq_acc, out, dout, lse, false, halves[half], &final);
-      // Rows of this rank's block that no own call covers: what arrived, rounded.
-      for (const Block& r : *uncovered(own_calls, &Call::k, mine))
-        if (r.count > 0) {
-          kernels::copy(rows(recv.k, r), rows(final.k, r), stream_);
-          kernels::copy(rows(recv.v, r), rows(final.v, r), stream_);
-        }
-    }
+                       narrow(lse_rows(lse, c.q), 1, hq.first, hq.count), q_rows(dq_acc), k_rows(grads.k),
+                       k_rows(grads.v), params);
   }
 
   // Elements of one of K, V, dK, dV of `rank`'s rows.
@@ -666,17 +596,6 @@ class Ring {
   KeyValues kv_views(unsigned char* data, int rank) const { return pair_views(data, p_.k.dtype(), rank); }
   // The fp32 dK and dV of `rank`'s block at `data`.
   KeyValues grad_views(unsigned char* data, int rank) const { return pair_views(data, DType::kFloat32, rank); }
-  // The same in two halves of the K/V heads, each a contiguous [dk | dv] pair, the first half's
-  // first: the dK and dV of half `half` (heads halves[half]), which one message carries.
-  KeyValues half_grad_views(unsigned char* data, int rank, const Heads (&halves)[2], int half) const {
-    const int64_t per_head = geo_.batch * geo_.rows[rank] * p_.head_dim;
-    if (half == 1) data += 2 * per_head * halves[0].count * static_cast<int64_t>(sizeof(float));
-    const int64_t n = per_head * halves[half].count;
-    const auto view = [&](unsigned char* at) {
-      return contiguous(at, DType::kFloat32, device_, geo_.batch, geo_.rows[rank], halves[half].count, p_.head_dim);
-    };
-    return {view(data), view(data + n * static_cast<int64_t>(sizeof(float)))};
-  }
 
   // The K/V visited at step s: this rank's own at step 0, then what step s - 1 received.
   KeyValues key_values(int s) const { return s == 0 ? home_ : kv_views(travel((s - 1) % 2), source(s)); }

@@ -687,41 +687,6 @@ def test_overwrite_out_writes_every_row(head_dim):
     assert torch.equal(written_lse, merged_lse)
 
 
-@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
-def test_final_dkdv(head_dim, overwrite):
-    """final_dk and final_dv on a packed batch with rows outside every document: the backward that
-    adds into fp32 dk and dv (or writes them, overwrite_dkdv) run again with its sums going rounded
-    into bf16 tensors that start as NaN. They come out bit-identical to the first call's dk and dv
-    rounded, and 0 in the rows of no document; the second call leaves its fp32 dk and dv as they
-    were, and adds into dq what the first call added."""
-    q, k, v, cu_q, cu_k = packed_with_margins([17, 0, 1, 200], [5, 0, 33, 200], 3, 130, 8, 2, head_dim,
-                                              torch.bfloat16, seed=17)
-    require_support_raw(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    g = torch.Generator().manual_seed(18)
-    dout = rounded_randn(q.shape, torch.bfloat16, g)
-    out = torch.randn(q.shape, generator=g)  # any fp32 out and lse: both calls read the same
-    lse = torch.randn((q.shape[1], q.shape[0]), generator=g)
-    grads0 = [torch.randn(t.shape, generator=g) for t in (q, k, v)]
-    q, k, v, dout, out, lse = (t.to(DEVICE) for t in (q, k, v, dout, out, lse))
-    options = dict(causal=True, cu_seqlens_q=cu_q.to(DEVICE), cu_seqlens_k=cu_k.to(DEVICE), accumulate=True,
-                   overwrite_dkdv=overwrite, **run_options(q))
-    summed = [t.to(DEVICE) for t in grads0]
-    _C.attention_backward(q, k, v, out, dout, lse, *summed, **options)
-    grads = [t.to(DEVICE) for t in grads0]
-    final_dk, final_dv = (torch.full(t.shape, float("nan"), dtype=t.dtype, device=DEVICE) for t in (k, v))
-    _C.attention_backward(q, k, v, out, dout, lse, *grads, final_dk=final_dk, final_dv=final_dv, **options)
-    outside = torch.ones(k.shape[0], dtype=torch.bool)
-    outside[cu_k[0]:cu_k[-1]] = False
-    for name, final, sum_, kept, start in (("dk", final_dk, summed[1], grads[1], grads0[1]),
-                                           ("dv", final_dv, summed[2], grads[2], grads0[2])):
-        want = sum_.cpu().to(torch.bfloat16)
-        want[outside] = 0
-        assert torch.equal(final.cpu(), want), f"final_{name} is not the first call's {name} rounded"
-        assert torch.equal(kept.cpu(), start), f"the call with final_{name} wrote into {name}"
-    torch.testing.assert_close(grads[0].cpu(), summed[0].cpu(), rtol=1e-5, atol=1e-5)
-
-
 # --- deterministic backward -------------------------------------------------------------------------
 
 DETERMINISTIC_CASES = {
