@@ -70,13 +70,6 @@ struct AttentionParams {
   // shape) instead of back into out, which is then not written. For the last of several calls
   // into the same accumulator, such as a ring's last step, which then needs no conversion pass.
   std::optional<TensorView> final_out;
-  // Backward in accumulate mode: the sums of dK and dV (the fp32 dk and dv, unless overwrite_dkdv,
-  // plus this call's gradients) go, rounded to k's dtype, to these tensors (k's and v's shapes)
-  // instead of back into dk and dv, which are then read and not written. Both or neither. For the
-  // last of several calls into the same dK/dV, such as a ring's calls over its own keys, which then
-  // need no conversion pass.
-  std::optional<TensorView> final_dk;
-  std::optional<TensorView> final_dv;
 
   int num_threads = 0;     // CPU: threads to use; 0 means every core
   void* stream = nullptr;  // CUDA: the cudaStream_t to run on; ignored on CPU

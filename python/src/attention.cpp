@@ -65,9 +65,8 @@ constexpr const char* kBackwardDoc = R"(Attention backward: dq, dk, dv from q, k
 
 `out` and `lse` are the forward's results; dout has out's shape and q's dtype. dq, dk, dv have the
 shapes and dtypes of q, k, v (float32 and added to, with accumulate=True; with overwrite_dkdv=True
-as well, dk and dv are written instead, and dq still added to; with final_dk and final_dv, shaped
-like k and v in their dtype, the sums of dK and dV go there rounded, and dk and dv are read, not
-written). Options as in attention_forward; they must match the forward's.)";
+as well, dk and dv are written instead, and dq still added to). Options as in attention_forward;
+they must match the forward's.)";
 
 constexpr const char* kSupportDoc = R"(Whether attention_forward/backward can run this case.
 

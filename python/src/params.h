@@ -19,12 +19,11 @@ namespace ringflash::python {
       std::optional<int64_t> q_offset, int64_t k_offset, const OptionalInput &q_seq_offsets,      \
       const OptionalInput &k_seq_offsets, const OptionalInput &cu_seqlens_q,                      \
       const OptionalInput &cu_seqlens_k, bool accumulate, bool overwrite_dkdv, bool overwrite_out, \
-      const OptionalInput &final_out, const OptionalInput &final_dk, const OptionalInput &final_dv, \
-      int num_threads, uintptr_t stream
+      const OptionalInput &final_out, int num_threads, uintptr_t stream
 #define RINGFLASH_OPTION_NAMES                                                                    \
   softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,            \
       deterministic, q_offset, k_offset, q_seq_offsets, k_seq_offsets, cu_seqlens_q, cu_seqlens_k, \
-      accumulate, overwrite_dkdv, overwrite_out, final_out, final_dk, final_dv, num_threads, stream
+      accumulate, overwrite_dkdv, overwrite_out, final_out, num_threads, stream
 #define RINGFLASH_OPTION_ARGS nb::kw_only(), RINGFLASH_OPTION_KWARGS
 #define RINGFLASH_OPTION_KWARGS                                                                   \
   "softmax_scale"_a = nb::none(), "causal"_a = false, "window_left"_a = -1,        \
@@ -32,8 +31,8 @@ namespace ringflash::python {
       "dropout_p"_a = 0.0f, "deterministic"_a = false, "q_offset"_a = nb::none(),                 \
       "k_offset"_a = 0, "q_seq_offsets"_a = nb::none(), "k_seq_offsets"_a = nb::none(),           \
       "cu_seqlens_q"_a = nb::none(), "cu_seqlens_k"_a = nb::none(), "accumulate"_a = false,       \
-      "overwrite_dkdv"_a = false, "overwrite_out"_a = false, "final_out"_a = nb::none(),       \
-      "final_dk"_a = nb::none(), "final_dv"_a = nb::none(), "num_threads"_a = 0, "stream"_a = 0
+      "overwrite_dkdv"_a = false, "overwrite_out"_a = false, "final_out"_a = nb::none(), "num_threads"_a = 0, \
+      "stream"_a = 0
 
 inline AttentionParams make_params(const char* op, RINGFLASH_OPTION_PARAMS) {
   AttentionParams p;
@@ -55,8 +54,6 @@ inline AttentionParams make_params(const char* op, RINGFLASH_OPTION_PARAMS) {
   p.overwrite_dkdv = overwrite_dkdv;
   p.overwrite_out = overwrite_out;
   p.final_out = to_tensor_view(op, "final_out", final_out);
-  p.final_dk = to_tensor_view(op, "final_dk", final_dk);
-  p.final_dv = to_tensor_view(op, "final_dv", final_dv);
   p.num_threads = num_threads;
   p.stream = reinterpret_cast<void*>(stream);
   return p;

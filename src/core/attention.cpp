@@ -292,9 +292,6 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   RINGFLASH_CHECK(!params.final_out || params.accumulate, InvalidArgument,
                   "[attention_forward] final_out needs accumulate mode (it takes the merged result), got "
                   "accumulate=false");
-  RINGFLASH_CHECK(!params.final_dk && !params.final_dv, InvalidArgument,
-                  "[attention_forward] final_dk and final_dv are options of the backward, got ",
-                  params.final_dk ? "a final_dk" : "a final_dv");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kAccumulate);
   if (params.final_out) {
@@ -323,12 +320,6 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   RINGFLASH_CHECK(!params.overwrite_out && !params.final_out, InvalidArgument,
                   "[attention_backward] overwrite_out and final_out are options of the forward, got ",
                   params.overwrite_out ? "overwrite_out=true" : "a final_out");
-  RINGFLASH_CHECK(params.final_dk.has_value() == params.final_dv.has_value(), InvalidArgument,
-                  "[attention_backward] final_dk and final_dv go together, got ",
-                  params.final_dk ? "final_dk without final_dv" : "final_dv without final_dk");
-  RINGFLASH_CHECK(!params.final_dk || params.accumulate, InvalidArgument,
-                  "[attention_backward] final_dk and final_dv need accumulate mode (they take the sums of the "
-                  "fp32 dk and dv), got accumulate=false");
   AttentionArgs args = check.run();
   args.out = check.like(out, "out", q, Rule::kSameOrFp32);
   args.out_dtype = out.dtype();
@@ -337,20 +328,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   args.dq = check.like(dq, "dq", q, Rule::kAccumulate);
   args.dk = check.like(dk, "dk", k, Rule::kAccumulate);
   args.dv = check.like(dv, "dv", v, Rule::kAccumulate);
-  const TensorView none;
-  const TensorView& final_dk = params.final_dk ? *params.final_dk : none;
-  const TensorView& final_dv = params.final_dv ? *params.final_dv : none;
-  if (params.final_dk) {
-    args.final_dk = check.like(final_dk, "final_dk", k, Rule::kSame);
-    args.final_dv = check.like(final_dv, "final_dv", v, Rule::kSame);
-    args.write_final_dkdv = true;
-  }
-  const std::pair<const TensorView*, const char*> outputs[] = {
-      {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}, {&final_dk, "final_dk"}, {&final_dv, "final_dv"}};
-  const std::pair<const TensorView*, const char*> others[] = {
-      {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}, {&final_dk, "final_dk"}};
-  for (auto [grad, name] : outputs)
-    for (auto [other, other_name] : others)
+  for (auto [grad, name] : {std::pair{&dq, "dq"}, {&dk, "dk"}, {&dv, "dv"}})
+    for (auto [other, other_name] : {std::pair{&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dq, "dq"}, {&dk, "dk"}})
       RINGFLASH_CHECK(grad == other || grad->data() != other->data() || grad->numel() == 0 || other->numel() == 0,
                       InvalidArgument, "[attention_backward] ", name, " must not alias ", other_name);
   if (q.numel() == 0 && k.numel() == 0) return;

@@ -213,11 +213,9 @@ Problem check_local(const Call& c) {
                   " and k_offset ", p.k_offset);
   RINGFLASH_CHECK(!p.q_seq_offsets && !p.k_seq_offsets, InvalidArgument, c.op,
                   " q_seq_offsets and k_seq_offsets must be left unset (the layout gives every position)");
-  RINGFLASH_CHECK(!p.accumulate && !p.overwrite_dkdv && !p.overwrite_out && !p.final_out && !p.final_dk &&
-                      !p.final_dv,
-                  InvalidArgument, c.op,
-                  " accumulate, overwrite_dkdv and overwrite_out must be false and final_out, final_dk and final_dv "
-                  "unset (the strategy accumulates partial results itself)");
+  RINGFLASH_CHECK(!p.accumulate && !p.overwrite_dkdv && !p.overwrite_out && !p.final_out, InvalidArgument, c.op,
+                  " accumulate, overwrite_dkdv and overwrite_out must be false and final_out unset (the strategy "
+                  "accumulates partial results itself)");
   RINGFLASH_CHECK(c.options.kv_heads_per_gather >= 0, InvalidArgument, c.op,
                   " options.kv_heads_per_gather must be >= 0 (0: all at once), got ", c.options.kv_heads_per_gather);
   if (c.options.kept_kv) {

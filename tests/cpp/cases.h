@@ -49,7 +49,6 @@ struct Options {
   bool overwrite_dkdv = false;  // backward with accumulate: dk and dv written, not added to
   bool overwrite_out = false;   // forward with accumulate: the first call writes out and lse (from NaN)
   bool final_out = false;       // forward with accumulate: the last call rounds out into q's dtype
-  bool final_dkdv = false;      // backward with accumulate: a second call rounds dK/dV into k's dtype
   bool backward_only = false;
   bool forward_only = false;
 };
@@ -178,23 +177,6 @@ inline const std::vector<Options>& all_options() {
         o.accumulate = true;
         o.overwrite_dkdv = true;
         o.causal = true;
-        o.backward_only = true;
-      }),
-      make_options("accumulate_final_dkdv_causal_window_alibi", [](Options& o) {
-        o.accumulate = true;
-        o.final_dkdv = true;
-        o.causal = true;
-        o.window_left = 60;
-        o.alibi = Alibi::kPerHead;
-        o.backward_only = true;
-      }),
-      make_options("accumulate_overwrite_final_dkdv_seq_offsets_strided", [](Options& o) {
-        o.accumulate = true;
-        o.overwrite_dkdv = true;
-        o.final_dkdv = true;
-        o.positions = Positions::kPerSequence;
-        o.window_left = 50;
-        o.layout = Layout::kStrided;
         o.backward_only = true;
       }),
       make_options("accumulate_overwrite_out_causal_window", [](Options& o) {

@@ -176,54 +176,6 @@ void run_forward_case(const KernelCase& c) {
   EXPECT_TRUE(inputs.unchanged()) << "attention_forward wrote into q, k or v";
 }
 
-namespace {
-
-// Accumulate mode with final_dk and final_dv: the call of run_backward_case again, from the same
-// dq, dk and dv, its sums of dK and dV going rounded into tensors of k's dtype (NaN first) instead
-// of back into dk and dv. They must hold what the first call left in dk and dv, rounded, bit for
-// bit (the same arithmetic), and zeros in rows of no sequence; dk and dv must stay as they were,
-// and dq must come out as the first call's.
-template <typename Adds>
-void check_final_dkdv(Problem& pb, const HostTensor& out, const HostTensor& lse, const QKV& summed, Adds&& adds) {
-  const Shape& s = pb.shape();
-  const QKV& in = pb.inputs();
-  QKV grads = pb.make_qkv(DType::kFloat32, kNaN);
-  for (const HostTensor* t : {&grads.q, &grads.k, &grads.v})
-    if (adds(t, grads)) t->for_each_element([&](int64_t e) { t->set_element(e, prefill(e)); });
-  const QKV final = pb.make_qkv(pb.dtype(), kNaN);
-  const auto dk_before = grads.k.storage()->bytes, dv_before = grads.v.storage()->bytes;
-  const auto guards = guard_outside({&grads.q, &grads.k, &grads.v, &final.k, &final.v});
-  AttentionParams p = pb.params();
-  p.final_dk = final.k.view();
-  p.final_dv = final.v.view();
-  if (!call_library("attention_backward (final_dk, final_dv)", [&] {
-        attention_backward(in.q.view(), in.k.view(), in.v.view(), out.view(), pb.dout().view(), lse.view(),
-                           grads.q.view(), grads.k.view(), grads.v.view(), p);
-      }))
-    return;
-  expect_untouched(guards, "dq/dk/dv/final_dk/final_dv");
-  EXPECT_TRUE(grads.k.storage()->bytes == dk_before && grads.v.storage()->bytes == dv_before)
-      << "a call with final_dk and final_dv wrote into dk or dv";
-  EXPECT_TRUE(grads.q.storage()->bytes == summed.q.storage()->bytes) << "dq differs from the call without final_dk";
-  for (auto [got, sum, name] : {std::tuple{&final.k, &summed.k, "final_dk"}, {&final.v, &summed.v, "final_dv"}}) {
-    // Which elements lie in a sequence's rows: gather the elements' own indices.
-    const HostTensor index = pb.make_qkv(DType::kFloat64, kNaN).k;
-    index.for_each_element([&](int64_t e) { index.set_element(e, static_cast<double>(e)); });
-    std::vector<bool> in_sequence(got->storage()->bytes.size(), false);
-    for (int64_t b = 0; b < s.num_seqs(); ++b)
-      for (double e : pb.gather_k(index, b, s.heads_kv)) in_sequence[static_cast<size_t>(e)] = true;
-    int64_t wrong = 0, first = -1;
-    got->for_each_element([&](int64_t e) {
-      const double want = in_sequence[static_cast<size_t>(e)] ? round_to(pb.dtype(), sum->at_element(e)) : 0.0;
-      if (!(got->at_element(e) == want)) ++wrong, first = first < 0 ? e : first;
-    });
-    EXPECT_EQ(wrong, 0) << name << ": " << wrong << " elements are not the rounded sums (the first at element "
-                        << first << ")";
-  }
-}
-
-}  // namespace
-
 void run_backward_case(const KernelCase& c) {
   Problem pb(c);
   const Shape& s = pb.shape();
@@ -309,8 +261,6 @@ void run_backward_case(const KernelCase& c) {
               Quantity::kGrad, pb.where(true, hkv, false));
   expect_pass("dv", read(copy.v, true, hkv), concat(dv), concat(naive_dv), pb.masked_rows(true, hkv, false), c.dtype,
               Quantity::kGrad, pb.where(true, hkv, false));
-
-  if (o.final_dkdv) check_final_dkdv(pb, out, lse, grads, adds);
 
   if (o.deterministic) {
     QKV again;

@@ -262,36 +262,6 @@ TEST_F(Validation, FinalOut) {
                          "got a final_out");
 }
 
-TEST_F(Validation, FinalDkdv) {
-  const HostTensor qh = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
-  const HostTensor kh = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});
-  const HostTensor final_k = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});
-  const HostTensor final_v = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});
-  const HostTensor douth = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
-  const auto backward = [&] {
-    attention_backward(qh.view(), kh.view(), kh.view(), out.view(), douth.view(), lse.view(), dq.view(), dk.view(),
-                       dv.view(), p);
-  };
-  p.final_dk = final_k.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument, backward(), "[attention_backward] final_dk and final_dv go together",
-                         "got final_dk without final_dv");
-  p.final_dv = final_v.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument, backward(), "[attention_backward] final_dk and final_dv need accumulate mode",
-                         "got accumulate=false");
-  p.accumulate = true;
-  p.final_dv = dv.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument, backward(), "final_dv must have dtype float16", "got float32");
-  const HostTensor short_final = HostTensor::empty(DType::kFloat16, {kB, kS - 1, kHkv, kD});
-  p.final_dv = short_final.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument, backward(), "final_dv must have shape (2, 8, 2, 16)", "got (2, 7, 2, 16)");
-  p.final_dv = final_k.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument, backward(), "[attention_backward] final_dv must not alias final_dk");
-  p.final_dv = final_v.view();
-  EXPECT_RINGFLASH_ERROR(InvalidArgument,
-                         attention_forward(qh.view(), kh.view(), kh.view(), out.view(), lse.view(), p),
-                         "[attention_forward] final_dk and final_dv are options of the backward", "got a final_dk");
-}
-
 TEST_F(Validation, BackwardOutMayBeFp32OrInputDtype) {
   const HostTensor qh = HostTensor::empty(DType::kFloat16, {kB, kS, kHq, kD});
   const HostTensor kh = HostTensor::empty(DType::kFloat16, {kB, kS, kHkv, kD});

@@ -19,7 +19,6 @@ struct AttentionArgs {
   bool overwrite_dkdv = false;         // backward with accumulate: dk, dv (fp32) written, not added to
   bool overwrite_out = false;          // forward with accumulate: out, lse (fp32) written, not merged into
   bool write_final = false;            // forward with accumulate: merged rows to final_out (dtype), not out
-  bool write_final_dkdv = false;       // backward with accumulate: dK/dV sums to final_dk/dv (dtype), not dk/dv
   bool deterministic = false;          // backward: bit-identical results run to run
   int device = -1;                     // the CUDA device of the tensors, -1 on the CPU
 
@@ -63,7 +62,6 @@ struct AttentionArgs {
   Operand q, k, v, out;
   Operand final_out;         // forward with write_final: shaped like q, in its dtype
   Operand dout, dq, dk, dv;  // backward only
-  Operand final_dk, final_dv;  // backward with write_final_dkdv: shaped like k and v, in their dtype
   // lse: fp32; element (b, h, i) at lse + b * lse_batch_stride + h * lse_head_stride + row(i),
   // where row(i) = i for padded batches and cu_seqlens_q[b] + i for packed ones.
   float* lse = nullptr;

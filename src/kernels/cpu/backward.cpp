@@ -307,26 +307,8 @@ class Backward {
 
   void write_kv(int64_t b, int64_t hk, int64_t row0, int64_t n, const float* dk, const float* dv) const {
     for (int64_t r = 0; r < n; ++r) {
-      if (a_.write_final_dkdv) {
-        store_final(dk + r * dp_, a_.dk, a_.final_dk, b, row0 + r, hk);
-        store_final(dv + r * dp_, a_.dv, a_.final_dv, b, row0 + r, hk);
-      } else {
-        store_grad(dk + r * dp_, a_.dk, b, row0 + r, hk, adds_kv());
-        store_grad(dv + r * dp_, a_.dv, b, row0 + r, hk, adds_kv());
-      }
-    }
-  }
-
-  // A row of dK or dV with write_final_dkdv: the fp32 row of `sum` (unless overwrite_dkdv) plus
-  // `src`, rounded into `to`; `sum` is not written.
-  void store_final(const float* src, const AttentionArgs::Operand& sum, const AttentionArgs::Operand& to, int64_t b,
-                   int64_t row, int64_t h) const {
-    T* dst = row_ptr<T>(to, b, row, h);
-    if (adds_kv()) {
-      const float* old = row_ptr<float>(sum, b, row, h);
-      for (int64_t i = 0; i < d_; ++i) dst[i] = from_float<T>(old[i] + src[i]);
-    } else {
-      for (int64_t i = 0; i < d_; ++i) dst[i] = from_float<T>(src[i]);
+      store_grad(dk + r * dp_, a_.dk, b, row0 + r, hk, adds_kv());
+      store_grad(dv + r * dp_, a_.dv, b, row0 + r, hk, adds_kv());
     }
   }
 
@@ -364,24 +346,19 @@ class Backward {
   }
 
   // Rows of a packed batch outside every sequence are visited by nothing; gradients that are
-  // written rather than added to (all without accumulate, dK and dV with overwrite_dkdv, final_dk
-  // and final_dv) are still written there, as zeros.
+  // written rather than added to (all without accumulate, dK and dV with overwrite_dkdv) are still
+  // written there, as zeros.
   void zero_unused_rows() const {
     const std::vector<float> zeros(d_, 0.0f);
     if (!a_.accumulate)
       for_unused_rows(a_, a_.cu_seqlens_q, a_.rows_q, [&](int64_t r) {
         for (int64_t h = 0; h < a_.heads_q; ++h) store_grad(zeros.data(), a_.dq, 0, r, h, false);
       });
-    if (a_.write_final_dkdv || !adds_kv())
+    if (!adds_kv())
       for_unused_rows(a_, a_.cu_seqlens_k, a_.rows_k, [&](int64_t r) {
         for (int64_t hk = 0; hk < a_.heads_kv; ++hk) {
-          if (a_.write_final_dkdv) {
-            store_operand_row<T>(zeros.data(), d_, false, a_.dtype, a_.final_dk, 0, r, hk);
-            store_operand_row<T>(zeros.data(), d_, false, a_.dtype, a_.final_dv, 0, r, hk);
-          } else {
-            store_grad(zeros.data(), a_.dk, 0, r, hk, false);
-            store_grad(zeros.data(), a_.dv, 0, r, hk, false);
-          }
+          store_grad(zeros.data(), a_.dk, 0, r, hk, false);
+          store_grad(zeros.data(), a_.dv, 0, r, hk, false);
         }
       });
   }

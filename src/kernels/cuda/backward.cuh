@@ -185,22 +185,6 @@ __device__ __forceinline__ void store_grad_pair(const core::AttentionArgs& a, co
   }
 }
 
-// Elements col, col + 1 of a row of dK or dV (`o`): as store_grad_pair (added to unless
-// overwrite_dkdv), or with write_final_dkdv the fp32 pair of `o` (unless overwrite_dkdv) plus
-// (x, y), rounded to T into `final`; `o` is then not written.
-template <typename T>
-__device__ __forceinline__ void store_kv_grad_pair(const core::AttentionArgs& a, const core::AttentionArgs::Operand& o,
-                                                   const core::AttentionArgs::Operand& final, int64_t b, int64_t row,
-                                                   int64_t h, int col, float x, float y) {
-  if (!a.write_final_dkdv) return store_grad_pair<T>(a, o, b, row, h, col, x, y, !a.overwrite_dkdv);
-  if (!a.overwrite_dkdv) {
-    const float2 old = *reinterpret_cast<const float2*>(row_ptr<float>(o, b, row, h) + col);
-    x += old.x;
-    y += old.y;
-  }
-  *reinterpret_cast<uint32_t*>(row_ptr<T>(final, b, row, h) + col) = Mma<T>::pack(x, y);
-}
-
 template <typename T, int kHeadDim>
 struct Backward {
   static constexpr BackwardTiles kTiles = backward_tiles(kHeadDim);
@@ -482,8 +466,8 @@ struct Backward {
       }
   }
 
-  // Writes (or, in accumulate mode, adds unless overwrite_dkdv, or sums into final_dk and final_dv)
-  // this warp's part of dK and dV; dK, dV are zero for keys that no query sees.
+  // Writes (or, in accumulate mode, adds unless overwrite_dkdv) this warp's part of dK and dV;
+  // dK, dV are zero for keys that no query sees.
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
                                                     int col0, const float (&dk)[2][kDT][4],
                                                     const float (&dv)[2][kDT][4], int lane, int key0) {
@@ -501,9 +485,10 @@ struct Backward {
         for (int dt = 0; dt < kDT; ++dt) {
           if (col0 + dt * 8 >= head_dim) break;
           const int col = col0 + dt * 8 + (lane % 4) * 2;
-          store_kv_grad_pair<T>(a, a.dk, a.final_dk, b, row, hk, col, dk[mt][dt][2 * half] * scale,
-                                dk[mt][dt][2 * half + 1] * scale);
-          store_kv_grad_pair<T>(a, a.dv, a.final_dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1]);
+          store_grad_pair<T>(a, a.dk, b, row, hk, col, dk[mt][dt][2 * half] * scale, dk[mt][dt][2 * half + 1] * scale,
+                             !a.overwrite_dkdv);
+          store_grad_pair<T>(a, a.dv, b, row, hk, col, dv[mt][dt][2 * half], dv[mt][dt][2 * half + 1],
+                             !a.overwrite_dkdv);
         }
       }
   }

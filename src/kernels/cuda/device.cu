@@ -259,7 +259,6 @@ void attention_backward(const AttentionArgs& args) {
   check_aligned("attention_backward", {{&args.out, "out"}}, args.out_dtype);
   check_aligned("attention_backward", {{&args.dout, "dout"}}, args.dtype);
   check_aligned("attention_backward", {{&args.dq, "dq"}, {&args.dk, "dk"}, {&args.dv, "dv"}}, args.grad_dtype);
-  check_aligned("attention_backward", {{&args.final_dk, "final_dk"}, {&args.final_dv, "final_dv"}}, args.dtype);
   DeviceGuard guard(device);
   const auto stream = static_cast<cudaStream_t>(args.stream);
   Params p = make_params(args);

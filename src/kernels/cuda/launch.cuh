@@ -112,16 +112,12 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
         p, total_rows);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
-  // dK and dV are written too in accumulate mode: final_dk and final_dv with write_final_dkdv, else
-  // dk and dv in fp32 with overwrite_dkdv.
+  // dK and dV are written too in accumulate mode with overwrite_dkdv, in fp32.
   for (const core::AttentionArgs::Operand* o : {&a.dk, &a.dv}) {
     clear_unused_rows<T>(a, *o, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
-    if (a.accumulate && a.overwrite_dkdv && !a.write_final_dkdv)
+    if (a.accumulate && a.overwrite_dkdv)
       zero_unused_rows<float>(a, *o, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
   }
-  if (a.write_final_dkdv)
-    for (const core::AttentionArgs::Operand* o : {&a.final_dk, &a.final_dv})
-      zero_unused_rows<T>(a, *o, nullptr, a.cu_seqlens_k, a.rows_k, a.heads_kv, stream);
 }
 
 template <typename T, int kHeadDim>

@@ -525,8 +525,7 @@ struct Backward {
       }
   }
 
-  // Writes (or, in accumulate mode, adds unless overwrite_dkdv, or sums into final_dk and final_dv)
-  // this warp's 16 keys of dK and dV:
+  // Writes (or, in accumulate mode, adds unless overwrite_dkdv) this warp's 16 keys of dK and dV:
   // kN n-tiles of 8 columns from col0.
   template <int kN>
   static __device__ __forceinline__ void write_dkdv(const Params& p, int64_t b, int hk, int64_t row0, int valid_n,
@@ -544,8 +543,8 @@ struct Backward {
         if (col0 + j * 8 >= head_dim) break;
         const int col = col0 + j * 8 + (lane % 4) * 2;
         const int e = 4 * j + 2 * half;
-        store_kv_grad_pair<T>(a, a.dk, a.final_dk, b, row0 + key, hk, col, dk[e] * scale, dk[e + 1] * scale);
-        store_kv_grad_pair<T>(a, a.dv, a.final_dv, b, row0 + key, hk, col, dv[e], dv[e + 1]);
+        store_grad_pair<T>(a, a.dk, b, row0 + key, hk, col, dk[e] * scale, dk[e + 1] * scale, !a.overwrite_dkdv);
+        store_grad_pair<T>(a, a.dv, b, row0 + key, hk, col, dv[e], dv[e + 1], !a.overwrite_dkdv);
       }
     }
   }
