@@ -1,8 +1,8 @@
 """ringflash against torch SDPA's flash and cuDNN backends on one GPU, side by side in one run.
 
     python bench/gpu_bench.py [--hdims 64,128] [--seqlens 1024,4096,16384] [--causal 0,1]
-                              [--repeat 1] [--interleave N] [--quick] [--warmup 25] [--rep 100]
-                              [--json PATH]
+                              [--repeat 1] [--interleave N | --steady S] [--quick] [--warmup 25]
+                              [--rep 100] [--json PATH]
 
 Shapes and measurements are those of the peer baseline (/work/shared/peers/sdpa_bench.py): bf16,
 16k tokens per batch (batch = 16384 // seqlen), hidden 2048 (heads = 2048 // hdim), causal and
@@ -21,6 +21,11 @@ times them call by call instead: N rounds in which every backend makes one call 
 before each, the first backend rotating), medians of N per backend, so that the backends share
 the GPU's clocks, which move by several % over the seconds a shape takes; each call then follows
 another backend's, whose power draw it meets (bench/NOTES.md, h33, has both ways side by side).
+--steady S times each backend's calls back to back for S seconds after 0.5 s of warm-up (L2 flushed
+before each call, the flush included in the time), once the GPU has run 3 s of matrix products:
+long enough for the power controller to settle at the GPU's limit, where a 100 ms stretch is not
+(h38, h40). It reports the mean time per call and, where NVML can be loaded, the energy per call
+(in the JSON: fwd_j, fwd_bwd_j, bwd_j).
 
 Once per shape, ringflash's out, dq, dk and dv are compared with the flash backend's on the same
 inputs (cuDNN's when flash cannot run); a relative difference (max |a - b| / max |b|) above the
@@ -33,11 +38,13 @@ $OUT/gpu_bench.json when OUT is set. The table is printed last.
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=1, help="rounds of measurements per shape (medians reported)")
     p.add_argument("--interleave", type=int, default=0, metavar="N",
                    help="time the backends call by call in turn, N calls each (0: do_bench per backend)")
+    p.add_argument("--steady", type=float, default=0, metavar="S",
+                   help="time each backend's calls back to back for S seconds (0: do_bench per backend)")
     p.add_argument("--quick", action="store_true", help=f"one shape per head dim: seqlen {QUICK_SEQLEN}, causal")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warm-up, ms (the peer's 25)")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms (the peer's 100)")
@@ -87,6 +96,10 @@ def parse_args(argv=None):
         p.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.interleave < 0:
         p.error(f"--interleave must be >= 0, got {args.interleave}")
+    if args.steady < 0:
+        p.error(f"--steady must be >= 0 seconds, got {args.steady:g}")
+    if args.steady and args.interleave:
+        p.error("--steady and --interleave are two ways of timing: give one")
     for hdim in args.hdims:
         if hdim <= 0 or HIDDEN % hdim:
             p.error(f"--hdims: each head dim must divide the hidden size {HIDDEN}, got {hdim}")
@@ -141,6 +154,63 @@ def do_bench_events(fn, warmup, rep, grad_to_none=None):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+class Energy:
+    """NVML's energy counter of the current CUDA device in joules, or None where NVML cannot be loaded."""
+
+    def __init__(self):
+        self.lib, self.handle = None, ctypes.c_void_p()
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+        if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(self.handle)) == 0:
+            self.lib = lib
+
+    def joules(self):
+        if self.lib is None:
+            return None
+        mj = ctypes.c_ulonglong()
+        ok = self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(mj)) == 0
+        return mj.value / 1e3 if ok else None
+
+
+def warm_up_gpu(seconds=3.0):
+    """Matrix products for `seconds`, so that the first shape does not meet an idle GPU's clocks."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def steady(fn, seconds, energy, grad_to_none=None, warmup=0.5):
+    """(ms, joules or None) per call of `fn`, called back to back for `seconds` after `warmup`
+    seconds, with the L2 flushed before each call (as do_bench does; the flush is in the time). The
+    host waits for the GPU every 5 calls, so the queue never runs dry for long."""
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def calls(n):
+        for _ in range(n):
+            for t in grad_to_none or []:
+                t.grad = None
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+
+    end = time.perf_counter() + warmup
+    while time.perf_counter() < end:
+        calls(5)
+    e0, t0, n = energy.joules(), time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        calls(5)
+        n += 5
+    t1, e1 = time.perf_counter(), energy.joules()
+    return (t1 - t0) * 1e3 / n, (e1 - e0) / n if e0 is not None and e1 is not None else None
+
+
 class Inputs:
     """q, k, v and dout of one shape, in ringflash's layout (B, S, H, D) and, as separate contiguous
     copies of the same values, in SDPA's (B, H, S, D)."""
@@ -182,10 +252,15 @@ def passes_of(backend, inputs, causal):
     return fwd, fwd_bwd, tensors[:3]
 
 
-def measure(backend, inputs, causal, args, bench):
-    """(forward ms, forward+backward ms) medians of one backend on one shape."""
+def measure(backend, inputs, causal, args, bench, energy):
+    """(forward ms, forward+backward ms) of one backend on one shape: do_bench's medians, or with
+    --steady the means per call, followed by the joules per call of each (None without NVML)."""
     fwd, fwd_bwd, grads = passes_of(backend, inputs, causal)
     with backend_context(backend):
+        if args.steady:
+            (t_fwd, j_fwd), (t_fwd_bwd, j_fwd_bwd) = (steady(fwd, args.steady, energy),
+                                                      steady(fwd_bwd, args.steady, energy, grad_to_none=grads))
+            return t_fwd, t_fwd_bwd, j_fwd, j_fwd_bwd
         t_fwd = bench(fwd, args.warmup, args.rep)
         t_fwd_bwd = bench(fwd_bwd, args.warmup, args.rep, grad_to_none=grads)
     return t_fwd, t_fwd_bwd
@@ -290,7 +365,7 @@ def shape_failed(shape):
     return "error" in ours or not shape.get("check", {}).get("agrees", False)
 
 
-def run_shape(hdim, seqlen, causal, args, bench):
+def run_shape(hdim, seqlen, causal, args, bench, energy):
     batch, heads = TOTAL_TOKENS // seqlen, HIDDEN // hdim
     flops = flops_of(batch, seqlen, heads, hdim, causal)
     inputs = Inputs(batch, seqlen, heads, hdim, seed=seqlen * 1000 + hdim * 2 + int(causal))
@@ -307,7 +382,7 @@ def run_shape(hdim, seqlen, causal, args, bench):
                 if backend in errors:
                     continue
                 try:
-                    times[backend].append(measure(backend, inputs, causal, args, bench))
+                    times[backend].append(measure(backend, inputs, causal, args, bench, energy))
                 except Exception as e:  # noqa: BLE001 - one failing backend must not hide the others
                     errors[backend] = f"{type(e).__name__}: {e}"[:300]
                     torch.cuda.synchronize()
@@ -325,7 +400,11 @@ def run_shape(hdim, seqlen, causal, args, bench):
                        bwd_tflops=BWD_FLOPS_FACTOR * flops / (t_fwd_bwd - t_fwd) / 1e9 if t_fwd_bwd > t_fwd
                        else None,
                        fwdbwd_tflops=FWD_BWD_FLOPS_FACTOR * flops / t_fwd_bwd / 1e9,
-                       rounds=[dict(fwd_ms=f, fwd_bwd_ms=fb) for f, fb in times[backend]])
+                       rounds=[dict(fwd_ms=t[0], fwd_bwd_ms=t[1]) for t in times[backend]])
+            joules = [t[2:] for t in times[backend] if len(t) > 2 and None not in t[2:]]
+            if joules:
+                j_fwd, j_fwd_bwd = statistics.median(j[0] for j in joules), statistics.median(j[1] for j in joules)
+                row.update(fwd_j=j_fwd, fwd_bwd_j=j_fwd_bwd, bwd_j=j_fwd_bwd - j_fwd)
         rows.append(row)
     shape = dict(hdim=hdim, seqlen=seqlen, batch=batch, heads=heads, causal=causal, fwd_flops=flops)
     by_backend = {r["backend"]: r for r in rows}
@@ -391,17 +470,27 @@ def main(argv=None):
                 ringflash_build=ringflash.build_info(), timer=timer_name, warmup_ms=args.warmup, rep_ms=args.rep,
                 repeat=args.repeat, interleave=args.interleave, dtype="bf16", total_tokens=TOTAL_TOKENS,
                 hidden=HIDDEN)
-    timing = (f"call by call in turn, {args.interleave} calls per backend" if args.interleave else
-              f"{timer_name}, warm-up {args.warmup:g} ms, rep {args.rep:g} ms, {args.repeat} round(s)")
+    energy = Energy() if args.steady else None
+    info.update(steady_s=args.steady, energy="nvml" if energy and energy.lib else None)
+    if args.interleave:
+        timing = f"call by call in turn, {args.interleave} calls per backend"
+    elif args.steady:
+        timing = (f"back to back for {args.steady:g} s per backend and pass, {args.repeat} round(s); energy "
+                  + ("from NVML" if energy.lib else "not read (no NVML)"))
+    else:
+        timing = f"{timer_name}, warm-up {args.warmup:g} ms, rep {args.rep:g} ms, {args.repeat} round(s)"
+    summary = "means per call, medians over rounds" if args.steady else "medians"
     print(f"torch {info['torch']} (CUDA {info['cuda']}, cuDNN {info['cudnn']}) on {info['device']}; "
-          f"ringflash {info['ringflash']}; {timing}, medians")
+          f"ringflash {info['ringflash']}; {timing}, {summary}")
     print(ringflash.build_info().rstrip(), flush=True)
+    if args.steady:
+        warm_up_gpu()
 
     shapes = []
     for hdim in args.hdims:
         for seqlen in args.seqlens:
             for causal in args.causal:
-                shape = run_shape(hdim, seqlen, causal, args, bench)
+                shape = run_shape(hdim, seqlen, causal, args, bench, energy)
                 shapes.append(shape)
                 for row in shape["rows"]:
                     print(json.dumps({k: v for k, v in row.items() if k != "rounds"}), flush=True)

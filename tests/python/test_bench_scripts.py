@@ -161,3 +161,15 @@ def test_gpu_bench_takes_interleave_and_refuses_a_negative_count(capsys):
     with pytest.raises(SystemExit):
         gpu_bench.parse_args(["--interleave", "-1"])
     assert "--interleave must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_gpu_bench_takes_steady_and_refuses_it_with_interleave(capsys):
+    import gpu_bench
+    assert gpu_bench.parse_args(["--steady", "2"]).steady == 2
+    assert gpu_bench.parse_args([]).steady == 0
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--steady", "-1"])
+    assert "--steady must be >= 0 seconds, got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_bench.parse_args(["--steady", "2", "--interleave", "30"])
+    assert "--steady and --interleave are two ways of timing: give one" in capsys.readouterr().err
