@@ -22,10 +22,10 @@ before each, the first backend rotating), medians of N per backend, so that the 
 the GPU's clocks, which move by several % over the seconds a shape takes; each call then follows
 another backend's, whose power draw it meets (bench/NOTES.md, h33, has both ways side by side).
 --steady S times each backend's calls back to back for S seconds after 0.5 s of warm-up (L2 flushed
-before each call, the flush included in the time), once the GPU has run 3 s of matrix products:
-long enough for the power controller to settle at the GPU's limit, where a 100 ms stretch is not
-(h38, h40). It reports the mean time per call and, where NVML can be loaded, the energy per call
-(in the JSON: fwd_j, fwd_bwd_j, bwd_j).
+before each call, each call between CUDA events as in do_bench), once the GPU has run 3 s of matrix
+products: long enough for the power controller to settle at the GPU's limit, where a 100 ms
+stretch is not (bench/NOTES.md h38, h40). It reports the mean time per call and, where NVML can be
+loaded, the energy per call, the flushes' share included (in the JSON: fwd_j, fwd_bwd_j, bwd_j).
 
 Once per shape, ringflash's out, dq, dk and dv are compared with the flash backend's on the same
 inputs (cuDNN's when flash cannot run); a relative difference (max |a - b| / max |b|) above the
@@ -188,27 +188,36 @@ def warm_up_gpu(seconds=3.0):
 
 def steady(fn, seconds, energy, grad_to_none=None, warmup=0.5):
     """(ms, joules or None) per call of `fn`, called back to back for `seconds` after `warmup`
-    seconds, with the L2 flushed before each call (as do_bench does; the flush is in the time). The
-    host waits for the GPU every 5 calls, so the queue never runs dry for long."""
+    seconds with the L2 flushed before each call, as do_bench does: the time is the mean of the
+    calls' own spans (CUDA events around each, the flush outside), the energy NVML's over the whole
+    stretch per call (the flushes' included). The host waits for the GPU every 5 calls."""
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
-    def calls(n):
+    def calls(n, spans=None):
         for _ in range(n):
             for t in grad_to_none or []:
                 t.grad = None
             flush.zero_()
+            if spans is None:
+                fn()
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
+            end.record()
+            spans.append((start, end))
         torch.cuda.synchronize()
 
     end = time.perf_counter() + warmup
     while time.perf_counter() < end:
         calls(5)
-    e0, t0, n = energy.joules(), time.perf_counter(), 0
+    spans = []
+    e0, t0 = energy.joules(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        calls(5)
-        n += 5
-    t1, e1 = time.perf_counter(), energy.joules()
-    return (t1 - t0) * 1e3 / n, (e1 - e0) / n if e0 is not None and e1 is not None else None
+        calls(5, spans)
+    e1 = energy.joules()
+    ms = statistics.fmean(s.elapsed_time(e) for s, e in spans)
+    return ms, (e1 - e0) / len(spans) if e0 is not None and e1 is not None else None
 
 
 class Inputs:
