@@ -154,22 +154,21 @@ def test_zigzag_steps_bench_runs_on_the_cpu_and_its_calls_agree_with_one_call(tm
     assert all(s["kernel_efficiency"] > 0 for s in result["summary"].values())
 
 
-def test_gpu_bench_takes_interleave_and_refuses_a_negative_count(capsys):
+def test_gpu_bench_takes_its_timing_options():
     import gpu_bench
     assert gpu_bench.parse_args(["--interleave", "30"]).interleave == 30
-    assert gpu_bench.parse_args([]).interleave == 0
-    with pytest.raises(SystemExit):
-        gpu_bench.parse_args(["--interleave", "-1"])
-    assert "--interleave must be >= 0, got -1" in capsys.readouterr().err
-
-
-def test_gpu_bench_takes_steady_and_refuses_it_with_interleave(capsys):
-    import gpu_bench
     assert gpu_bench.parse_args(["--steady", "2"]).steady == 2
-    assert gpu_bench.parse_args([]).steady == 0
+    defaults = gpu_bench.parse_args([])
+    assert defaults.interleave == 0 and defaults.steady == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--interleave", "-1"], "--interleave must be >= 0, got -1"),
+    (["--steady", "-1"], "--steady must be >= 0 seconds, got -1"),
+    (["--steady", "2", "--interleave", "30"], "--steady and --interleave are two ways of timing: give one"),
+])
+def test_gpu_bench_refuses_bad_timing_options(argv, message, capsys):
+    import gpu_bench
     with pytest.raises(SystemExit):
-        gpu_bench.parse_args(["--steady", "-1"])
-    assert "--steady must be >= 0 seconds, got -1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_bench.parse_args(["--steady", "2", "--interleave", "30"])
-    assert "--steady and --interleave are two ways of timing: give one" in capsys.readouterr().err
+        gpu_bench.parse_args(argv)
+    assert message in capsys.readouterr().err
