@@ -605,16 +605,16 @@ def key_blocks(seqlen_k):
     return [blocks[1], blocks[2], blocks[0]]
 
 
-def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite=False, blocks=None, **options):
-    """Forward and backward over `blocks` of keys (key_blocks by default) in accumulate mode on
-    `device`; returns out, lse and the gradients added to grads0 (on the CPU), or with `overwrite`
-    (overwrite_out for the first forward, overwrite_dkdv), dk and dv as written."""
+def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite=False, **options):
+    """Forward and backward over key_blocks in accumulate mode on `device`; returns out, lse and the
+    gradients added to grads0 (on the CPU), or with `overwrite` (overwrite_out for the first
+    forward, overwrite_dkdv), dk and dv as written."""
     q, k, v, dout = (t.to(device) for t in (q, k, v, dout))
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k = k.shape[1]
     out = torch.full(q.shape, float("nan") if overwrite else 0.0, dtype=torch.float32, device=device)
     lse = torch.full((batch, heads_q, seqlen_q), float("nan") if overwrite else float("-inf"), device=device)
-    blocks = blocks or key_blocks(seqlen_k)
+    blocks = key_blocks(seqlen_k)
     q_pos = seqlen_k - seqlen_q  # bottom-right, made explicit
     for i, (start, end) in enumerate(blocks):
         _C.attention_forward(q, k[:, start:end], v[:, start:end], out, lse, q_offset=q_pos, k_offset=start,
@@ -638,19 +638,15 @@ def accumulate_over_blocks(q, k, v, dout, grads0, device, overwrite=False, block
 @pytest.mark.parametrize("shape", ACCUMULATE_SHAPES, ids=str)
 def test_accumulate(shape, mask, dtype):
     overwrite = mask in OVERWRITE_MASKS
-    check_accumulate(shape, ACCUMULATE_MASKS[OVERWRITE_MASKS.get(mask, mask)], overwrite, dtype)
-
-
-def check_accumulate(shape, options, overwrite, dtype, blocks=None):
-    """accumulate_over_blocks on the GPU against the reference and against the CPU kernel."""
+    options = ACCUMULATE_MASKS[OVERWRITE_MASKS.get(mask, mask)]
     q, k, v = make_qkv(shape, dtype, seed=14)
     require_support_raw(q, k, v, **options)
     g = torch.Generator().manual_seed(15)
     dout = rounded_randn(q.shape, dtype, g)
     grads0 = [torch.randn(t.shape, generator=g) for t in (q, k, v)]  # fp32 values the gradients add to
 
-    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, overwrite=overwrite, blocks=blocks, **options)
-    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", overwrite=overwrite, blocks=blocks, **options)
+    gpu = accumulate_over_blocks(q, k, v, dout, grads0, DEVICE, overwrite=overwrite, **options)
+    cpu = accumulate_over_blocks(q, k, v, dout, grads0, "cpu", overwrite=overwrite, **options)
 
     reference_mask = raw_mask(options)
     xs = [t.to(F64).requires_grad_() for t in (q, k, v)]
@@ -667,45 +663,6 @@ def check_accumulate(shape, options, overwrite, dtype, blocks=None):
         rule_dtype = torch.float32 if name == "lse" else dtype
         assert_pass_rule(name, got, ref, naive, rule_dtype)
         assert_pass_rule(f"{name} (CUDA against the CPU kernel)", got, on_cpu, naive, rule_dtype)
-
-
-# Where every query tile sees all of a multiple of 512 keys, the sm_90a forward at head dim 128
-# takes its query tiles in pairs (a block per two; the second's Q and K/V loaded under the first's
-# end). Odd numbers of tiles (a block left with one), a partial last tile, GQA, a single query per
-# sequence under a causal mask that hides no key, and accumulate mode over blocks of 512 keys.
-PAIR_SHAPES = [Shape(1, 384, 512, 3, 3, 128), Shape(2, 1000, 1024, 4, 1, 128), Shape(1, 64, 2048, 5, 5, 128)]
-
-
-def cuda_kernel_names(fn) -> list:
-    """The names of the CUDA kernels that fn() launches, as torch.profiler reports them."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=str)
-def test_query_tile_pairs(shape, dtype):
-    q, k, v = make_qkv(shape, dtype, seed=24)
-    check_padded(q, k, v, dtype)
-    if torch.cuda.get_device_capability() == (9, 0) and "0" not in (os.environ.get("RINGFLASH_SM90"),
-                                                                       os.environ.get("RINGFLASH_SM90_PAIRS")):
-        q, k, v = (t.to(DEVICE) for t in (q, k, v))
-        names = cuda_kernel_names(lambda: ringflash.flash_attn_func(q, k, v))
-        assert any("forward_kernel<" in n and "128, true, true>" in n for n in names), names
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-def test_query_tile_pairs_causal_single_query(dtype):
-    q, k, v = make_qkv(Shape(3, 1, 1024, 4, 2, 128), dtype, seed=25)
-    check_padded(q, k, v, dtype, causal=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("overwrite", [False, True], ids=["add", "overwrite"])
-def test_query_tile_pairs_accumulate(overwrite, dtype):
-    check_accumulate(Shape(1, 300, 1536, 4, 2, 128), {}, overwrite, dtype, blocks=[(512, 1024), (1024, 1536), (0, 512)])
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")

@@ -24,9 +24,6 @@
 //     causal mask) computes only its own and takes its remaining turns without products; where
 //     they see only the first half of their last tile (the first consumer's diagonal tile), that
 //     tile's S and P V run over those keys alone.
-//   - Paired (head dim 128, plain scores, every query tile seeing all of a multiple of 512 keys): a
-//     block takes two items, the second's Q and first K/V tiles loaded under the first's last
-//     products and epilogue, so that it does not wait for a block to end and another to start.
 //   - The softmax (scale, softcap, ALiBi, mask) is the sm_80 kernel's: a wgmma accumulator holds,
 //     per warp, the fragments of mma.sync m16n8k16. A whole query tile's output goes out by TMA
 //     from shared memory (each consumer's rows into its rows of the Q tile, which its products no
@@ -162,12 +159,7 @@ enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5, 
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.
-// kPaired (head dim 128, plain): a block takes two items, tiles 2 x and 2 x + 1 of the tile
-// order, where every item's key tiles are a multiple of 2 kStages (launch_forward checks), so that
-// the second starts at stage 0 and parity 0 as the first does; its Q loads once the consumers are
-// past the first item's last S, under that item's last P V and epilogue, and its K and V stream on
-// behind the first's. The output goes out through a tile of its own.
-template <typename T, int kHeadDim, bool kPlain, bool kPaired = false>
+template <typename T, int kHeadDim, bool kPlain>
 struct Forward {
   // Head dim 256: key tiles of 64 (O alone takes 128 of a consumer's registers) in two stages
   // (shared memory: Q 64 KB, a stage of K and V 64 KB). Head dim 64: three consumers, as its
@@ -178,18 +170,16 @@ struct Forward {
   // A stage of K is freed once S of its tile is in, V's once P V is (a tile later), so that the
   // producer, which loads K and V in turn, starts each load about kStages - 0.5 tiles before its
   // use: with K and V freed together, two stages left less than a tile, and every tile waited.
-  static constexpr int kStages = kHeadDim == 256 || kPaired ? 2 : 3;
+  static constexpr int kStages = kHeadDim == 256 ? 2 : 3;
   static constexpr int kThreads = 128 * (kConsumers + 1), kConsumerThreads = 128 * kConsumers;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
   static_assert(fits_block_registers(kThreads, kProducerRegs, kConsumerRegs), "within the block's registers");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kOutBytes = kPaired ? kQBytes : 0;  // the output's tile (paired)
-  static constexpr int kSmemBytes = kQBytes + kOutBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + room to align to 1024
   static constexpr int kNT = kBlockN / 8, kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
-  static_assert(!kPaired || (kHeadDim == 128 && kPlain), "pairs at head dim 128, plain scores");
 
   // Head dim 64 runs persistent: a block per SM takes items from a Schedule, so that an item's
   // start (its tile, Q and K(0) in) overlaps the last item's end. Head dims 128 and 256 run a
@@ -205,12 +195,9 @@ struct Forward {
     T* sq = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     T* sk = sq + kBlockM * kHeadDim;
     T* sv = sk + kStages * kBlockN * kHeadDim;
-    T* so = kPaired ? sv + kStages * kBlockN * kHeadDim : sq;  // where the output is staged
     // q_full[c]: consumer c's rows of Q are in (a block per item: q_full[0], the whole tile).
     __shared__ uint64_t q_full[kConsumers];
     __shared__ uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
-    // Paired: every consumer warp is past the first item's last S (Q's tile is free).
-    __shared__ uint64_t q_empty;
     // Persistent: the producer hands items to the consumers through two slots, each complete
     // (item_full) once written and free (item_empty) once every consumer warp has read it; rows 0
     // says that none is left.
@@ -223,13 +210,8 @@ struct Forward {
     const auto tile_of = [&](int item) {
       return query_tile<kBlockM, kBlockN>(p, order, mask, item / per_sequence, item % per_sequence);
     };
-    QueryTile own{}, second{};  // a block per item: its one (paired: and the second)
-    if constexpr (kPaired) {
-      own = query_tile<kBlockM, kBlockN>(p, order, mask, blockIdx.y, 2 * blockIdx.x);
-      if (2 * blockIdx.x + 1 < per_sequence)
-        second = query_tile<kBlockM, kBlockN>(p, order, mask, blockIdx.y, 2 * blockIdx.x + 1);
-      if (own.rows == 0) return;  // then the second starts past the sequence as well
-    } else if constexpr (!kPersistent) {
+    QueryTile own{};  // a block per item: its one
+    if constexpr (!kPersistent) {
       own = query_tile<kBlockM, kBlockN>(p, order, mask, blockIdx.y, blockIdx.x);
       if (own.rows == 0) return;
     }
@@ -243,7 +225,6 @@ struct Forward {
       prefetch_tensormap(&maps.v);
       if (maps.store_out) prefetch_tensormap(&maps.out);
       for (int c = 0; c < kConsumers; ++c) mbarrier_init(&q_full[c], 1);
-      mbarrier_init(&q_empty, kConsumerWarps);
       for (int j = 0; j < 2; ++j) {
         mbarrier_init(&item_full[j], 1);
         mbarrier_init(&item_empty[j], kConsumerWarps);
@@ -285,12 +266,6 @@ struct Forward {
         mbarrier_arrive_expect(&q_full[0], kQBytes);
         load_q(p, maps, own, 0, kConsumers, sq, q_full[0]);
         load_kv(p, maps, own, true, sk, sv, k_full, v_full, k_empty, v_empty, slot);
-        if (kPaired && second.rows > 0) {
-          mbarrier_wait(&q_empty, 0);
-          mbarrier_arrive_expect(&q_full[0], kQBytes);
-          load_q(p, maps, second, 0, kConsumers, sq, q_full[0]);
-          load_kv(p, maps, second, false, sk, sv, k_full, v_full, k_empty, v_empty, slot);
-        }
       }
       return;
     }
@@ -320,19 +295,11 @@ struct Forward {
           }
           ++q_loads;
         }
-        consume(p, maps, t, mask, sq, sq, sk, sv, q_full[consumer], (q_loads - 1) & 1u, true, k_full, v_full,
-                k_empty, v_empty, slot, consumer, lane);
-      }
-    } else if constexpr (kPaired) {
-      consume<true>(p, maps, own, mask, sq, so, sk, sv, q_full[0], 0, false, k_full, v_full, k_empty, v_empty, slot,
-                    consumer, lane, &q_empty);
-      if (second.rows > 0) {
-        Slot<kStages> start;  // where the first item's tiles, a multiple of 2 kStages, left the ring
-        consume(p, maps, second, mask, sq, so, sk, sv, q_full[0], 1, false, k_full, v_full, k_empty, v_empty, start,
-                consumer, lane);
+        consume(p, maps, t, mask, sq, sk, sv, q_full[consumer], (q_loads - 1) & 1u, true, k_full, v_full, k_empty,
+                v_empty, slot, consumer, lane);
       }
     } else {
-      consume(p, maps, own, mask, sq, sq, sk, sv, q_full[0], 0, false, k_full, v_full, k_empty, v_empty, slot, consumer,
+      consume(p, maps, own, mask, sq, sk, sv, q_full[0], 0, false, k_full, v_full, k_empty, v_empty, slot, consumer,
               lane);
     }
     if (consumer == 0) named_barrier_sync(kTurn, 256);
@@ -378,16 +345,13 @@ struct Forward {
   // Query tile t for this consumer's 64 rows: S = Q K^T and O += P V over its key tiles, which
   // arrive in the stages from `slot` on (left after them), then the output. Q is in once q_full
   // completes its phase of parity q_phase. own_q: the consumer loads its own rows of Q
-  // (persistent), so it waits for its products' last reads of them before it returns. The output
-  // is staged in so (sq but where paired). kReleaseQ: each warp arrives on q_empty once its last S
-  // is in.
-  template <bool kReleaseQ = false>
+  // (persistent), so it waits for its products' last reads of them before it returns.
   static __device__ __forceinline__ void consume(const Params& p, const Maps& maps, const QueryTile& t,
-                                                 const core::Mask& mask, T* sq, T* so, T* sk, T* sv, uint64_t& q_full,
+                                                 const core::Mask& mask, T* sq, T* sk, T* sv, uint64_t& q_full,
                                                  uint32_t q_phase, bool own_q, uint64_t (&k_full)[kStages],
                                                  uint64_t (&v_full)[kStages], uint64_t (&k_empty)[kStages],
                                                  uint64_t (&v_empty)[kStages], Slot<kStages>& slot, int consumer,
-                                                 int lane, uint64_t* q_empty = nullptr) {
+                                                 int lane) {
     const int64_t b = t.b, q0 = t.q0, n_begin = t.n_begin;
     const int h = t.h, rows = t.rows, tiles = t.tiles;
     const core::Sequence& seq = t.seq;
@@ -554,9 +518,6 @@ struct Forward {
     };
     for (int i = 1; i < (half_last ? mine - 1 : mine); ++i) step(i, kWhole);
     if (half_last) step(mine - 1, kHalf);
-    if constexpr (kReleaseQ) {
-      if (lane == 0) mbarrier_arrive(q_empty);  // every S of this warp's is in
-    }
     // P V of the last tile (each way with its own wait, so that no product is in flight where the
     // two meet).
     const auto last_pv = [&](auto half) {
@@ -594,20 +555,19 @@ struct Forward {
       // The consumer's rows of Q are free once its products are in; with no products of its own
       // (mine == 0), once Q has arrived, so that the copy does not land on the output.
       if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, q_phase);
-      store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, so, consumer, lane, warp_row0);
+      store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, sq, consumer, lane, warp_row0);
     } else {
       write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
       if (own_q) named_barrier_sync(kOutStaged + consumer, 128);  // every warp is past its products
     }
   }
 
-  // Normalises this consumer's 64 rows of O into its rows of `tile` (the Q tile, or paired the
-  // output's own; laid out as TMA lays a tile out: 128-byte swizzle) and stores them by TMA; writes
-  // their lse. Every row is the sequence's.
+  // Normalises this consumer's 64 rows of O into its rows of the Q tile (as TMA lays a tile out:
+  // 128-byte swizzle) and stores them by TMA; writes their lse. Every row is the sequence's.
   static __device__ __forceinline__ void store_output(const Params& p, const Maps& maps, int64_t b, int h,
                                                       const core::Sequence& seq, int64_t q0,
                                                       const float (&o)[1][kDT][4], const float (&row_max)[1][2],
-                                                      const float (&row_sum)[1][2], T* tile, int consumer, int lane,
+                                                      const float (&row_sum)[1][2], T* sq, int consumer, int lane,
                                                       int warp_row0) {
     const core::AttentionArgs& a = p.a;
     // The rows' lse is computed and written while the copy runs.
@@ -617,7 +577,7 @@ struct Forward {
       sum[half] = quad_sum(row_sum[0][half]);
       inv[half] = row_inverse(sum[half]);
     }
-    stage_rows<T, kDT>(smem_u32(tile), kBlockM * 128, warp_row0,
+    stage_rows<T, kDT>(smem_u32(sq), kBlockM * 128, warp_row0,
                        *reinterpret_cast<const float(*)[kDT * 4]>(&o[0][0][0]), inv, lane);
     fence_proxy_async();
     named_barrier_sync(kOutStaged + consumer, 128);
@@ -626,7 +586,7 @@ struct Forward {
       const int64_t tb = a.cu_seqlens_q ? 0 : b;
 #pragma unroll
       for (int c = 0; c < kHeadDim / 64; ++c)
-        tma_store_4d(&maps.out, tile + c * kBlockM * 64 + consumer * 64 * 64, c * 64, h,
+        tma_store_4d(&maps.out, sq + c * kBlockM * 64 + consumer * 64 * 64, c * 64, h,
                      static_cast<int>(seq.row_q + q0 + consumer * 64), static_cast<int>(tb));
       bulk_commit();
     }
@@ -639,12 +599,12 @@ struct Forward {
   }
 };
 
-template <typename T, int kHeadDim, bool kPlain, bool kPaired>
-__global__ void __launch_bounds__(Forward<T, kHeadDim, kPlain, kPaired>::kThreads, 1)
+template <typename T, int kHeadDim, bool kPlain>
+__global__ void __launch_bounds__(Forward<T, kHeadDim, kPlain>::kThreads, 1)
     forward_kernel(const __grid_constant__ Params p, const __grid_constant__ Maps maps, const core::TileOrder order,
                    const Schedule work) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Forward<T, kHeadDim, kPlain, kPaired>::run(p, maps, order, work);
+  Forward<T, kHeadDim, kPlain>::run(p, maps, order, work);
 #endif
 }
 

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -120,26 +119,11 @@ core::TileOrder query_tile_order(const Params& p, int block_m, const char* kerne
                     p.max_rows_k * kHeadDim * 2 * int64_t{sizeof(T)}, kernel, grid);
 }
 
-// Whether a launch may take its query tiles in pairs (Forward's kPaired): a padded batch whose
-// mask hides no key, with a multiple of 2 kStages key tiles per query tile.
-template <typename F>
-bool pairs_fit(const Params& p) {
-  const core::AttentionArgs& a = p.a;
-  if (a.cu_seqlens_q || a.q_seq_offsets || a.k_seq_offsets || a.seqlen_q <= 0 || a.seqlen_k <= 0) return false;
-  if (a.seqlen_k % (2 * F::kStages * F::kBlockN) != 0) return false;
-  static const bool enabled = [] {
-    const char* v = std::getenv("RINGFLASH_SM90_PAIRS");
-    return !(v && v[0] == '0');
-  }();
-  const core::Sequence s = core::sequence(a, 0);
-  return enabled && p.mask().classify(s.pos_q, s.pos_q + s.len_q, s.pos_k, s.pos_k + s.len_k) == core::BlockKind::kFull;
-}
-
-template <typename T, int kHeadDim, bool kPlain, bool kPaired = false>
+template <typename T, int kHeadDim, bool kPlain>
 void launch_forward(const Params& p, cudaStream_t stream) {
-  using F = Forward<T, kHeadDim, kPlain, kPaired>;
+  using F = Forward<T, kHeadDim, kPlain>;
   const core::AttentionArgs& a = p.a;
-  allow_smem(forward_kernel<T, kHeadDim, kPlain, kPaired>, F::kSmemBytes, "Hopper forward", kHeadDim);
+  allow_smem(forward_kernel<T, kHeadDim, kPlain>, F::kSmemBytes, "Hopper forward", kHeadDim);
   const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
   Maps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, 64),  // a consumer's rows
             operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, F::kBlockN),
@@ -161,13 +145,10 @@ void launch_forward(const Params& p, cudaStream_t stream) {
                     " query tiles in all; got ", items);
     const Scratch taken(a.device, sizeof(int), stream);
     RINGFLASH_CUDA_CHECK(cudaMemsetAsync(taken.data, 0, sizeof(int), stream));
-    forward_kernel<T, kHeadDim, kPlain, kPaired><<<static_cast<unsigned>(blocks), F::kThreads, F::kSmemBytes,
-                                                   stream>>>(
+    forward_kernel<T, kHeadDim, kPlain><<<static_cast<unsigned>(blocks), F::kThreads, F::kSmemBytes, stream>>>(
         p, maps, order, Schedule{static_cast<int*>(taken.data), static_cast<int>(items)});
   } else {
-    if constexpr (kPaired) grid.x = (grid.x + 1) / 2;
-    forward_kernel<T, kHeadDim, kPlain, kPaired><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order,
-                                                                                              Schedule{});
+    forward_kernel<T, kHeadDim, kPlain><<<grid, F::kThreads, F::kSmemBytes, stream>>>(p, maps, order, Schedule{});
   }
   RINGFLASH_CUDA_CHECK(cudaGetLastError());
 }
@@ -176,13 +157,6 @@ template <typename T, int kHeadDim>
 void run_forward(const Params& p, cudaStream_t stream) {
   const core::AttentionArgs& a = p.a;
   const bool plain = a.alibi_slopes == nullptr && p.softcap_log2 == 0.0f && p.qk_scale > 0.0f;
-  if constexpr (kHeadDim == 128) {
-    if (plain && pairs_fit<Forward<T, kHeadDim, true, true>>(p)) {
-      launch_forward<T, kHeadDim, true, true>(p, stream);
-      clear_unused_output_rows<T>(a, stream);
-      return;
-    }
-  }
   if (plain) launch_forward<T, kHeadDim, true>(p, stream);
   else launch_forward<T, kHeadDim, false>(p, stream);
   clear_unused_output_rows<T>(a, stream);
