@@ -55,13 +55,7 @@ struct BackwardMaps {
   bool store_grads;
 };
 
-// kOffset (head dim 128): the consumers run half an item apart, so that one's element-wise work
-// runs under the other's products. Each item's dQ is issued in the next item, once the other
-// consumer's dS^T rows of it are in (ds_ready), and dS^T has three buffers, one written again once
-// the other consumer's dQ products of it are in (ds_free); no barrier of the two consumers remains
-// in the loop. Both are mbarriers per consumer and buffer, so that a waiter is never two phases
-// behind. Consumer 1 starts once consumer 0 is past its first products.
-template <typename T, int kHeadDim, bool kOffset = false>
+template <typename T, int kHeadDim>
 struct Backward {
   // At head dim 64 a query tile of 128 rows: the same work per item as head dim 128 at 64 rows,
   // so the fixed costs of an item (its waits, the softmax's row loads) are shared by twice the
@@ -87,8 +81,6 @@ struct Backward {
   // tensor cores go on from item to item (on an H100 the kernel ran 2 % faster). At head dim 64
   // (query tiles of 128) S^T's 64 registers beside dK's and dV's make ptxas serialise the wgmma.
   static constexpr bool kPipelined = kHeadDim == 128;
-  static_assert(!kOffset || kPipelined, "offset consumers at head dim 128");
-  static constexpr int kDsBuffers = kOffset ? 3 : 2;
   // dS^T, [key][query], in column blocks of 64 queries (128 bytes a row); at head dim 256 P^T and
   // dS^T together.
   static constexpr int kSBytes = kBlockN * kBlockM * 2 * (kWide ? 2 : 1);
@@ -97,7 +89,7 @@ struct Backward {
   static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256: the dQ kernel's (dq.cuh)
   // K, V; per stage Q and dO; two dS^T buffers, or two of P^T and dS^T (one item's products read
   // the one the next item does not write); two dQ parts; + room to align to 1024.
-  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + kDsBuffers * kSBytes + 2 * kDqBytes + 1024;
+  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
@@ -109,11 +101,10 @@ struct Backward {
     T* sv = sk + kBlockN * kHeadDim;
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
-    T* sds = sdo + kStages * kBlockM * kHeadDim;                                 // kDsBuffers tiles
-    float* sdq = reinterpret_cast<float*>(sds + kDsBuffers * kBlockN * kBlockM);  // two parts
+    T* sds = sdo + kStages * kBlockM * kHeadDim;                        // two tiles
+    float* sdq = reinterpret_cast<float*>(sds + 2 * kBlockN * kBlockM);  // two parts
     __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
     __shared__ uint64_t kv_full, full[kStages], empty[kStages];
-    __shared__ uint64_t ds_ready[2][3], ds_free[2][3];  // kOffset: per consumer and dS^T buffer
 
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.y;
@@ -137,12 +128,6 @@ struct Backward {
         mbarrier_init(&full[s], 1);
         mbarrier_init(&empty[s], kConsumerWarps);
       }
-      if constexpr (kOffset)
-        for (int c = 0; c < 2; ++c)
-          for (int j = 0; j < 3; ++j) {
-            mbarrier_init(&ds_ready[c][j], kConsumerWarps / 2);
-            mbarrier_init(&ds_free[c][j], kConsumerWarps / 2);
-          }
       fence_barrier_init();
     }
     __syncthreads();
@@ -177,7 +162,7 @@ struct Backward {
                      group - 1, lane);
       else
         consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDq * kDq,
-                stats, kv_full, full, empty, ds_ready, ds_free, group - 1, lane);
+                stats, kv_full, full, empty, group - 1, lane);
     }
   }
 
@@ -265,12 +250,10 @@ struct Backward {
                                                  const core::Mask& mask, const Items& items, T* sk, T* sv, T* sq,
                                                  T* sdo, T* sds, float* sdq,
                                                  float (&stats)[kStages][2][kStatSlot], uint64_t& kv_full,
-                                                 uint64_t (&full)[kStages], uint64_t (&empty)[kStages],
-                                                 uint64_t (&ds_ready)[2][3], uint64_t (&ds_free)[2][3], int consumer,
+                                                 uint64_t (&full)[kStages], uint64_t (&empty)[kStages], int consumer,
                                                  int lane) {
     const core::AttentionArgs& a = p.a;
     const int warp = (threadIdx.x % 128) / 32;
-    const int other = consumer ^ 1;
     const int key0 = consumer * 64 + warp * 16;  // this warp's first key in the tile
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
@@ -294,47 +277,17 @@ struct Backward {
       const ItemTiles t = item_tiles(i, at, seq, sq, sdo);
       wait_stage(full, i, packed, t.rows, sq, sdo);
       const uint64_t q_desc = k_major_desc(t.q_tile);
-      if (kOffset && consumer == 1 && i == 0) named_barrier_sync(kStart, 256);  // consumer 0 goes first
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks)
         Wgmma<T, kBlockM>::template ss<0, 0>(st, k_step(k_desc, kBlockN, ks), k_step(q_desc, kBlockM, ks), ks > 0);
       wgmma_commit();
     };
-    // dQ = dS K for this consumer's part, from dS^T (ds_mn: its column block of the part's 64
-    // queries, column blocks kBlockN rows apart) and K's column block of its 64 columns.
-    const uint64_t k_mn = mn_major_desc(k_tile + dq_col0 / 64 * kBlockN * 128, kBlockN * 128);
-    const auto issue_dq = [&](uint64_t ds_mn) {
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks)
-        Wgmma<T, kDq>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
-    };
-    // kOffset: dQ's part into shared memory once the last reduce-add has read it (a barrier of this
-    // consumer's warps between the elected thread's wait and the stores).
-    const auto store_dq_part = [&] {
-      if (elected) bulk_wait_read();
-      named_barrier_sync(kDqFree + consumer, 128);
-      store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, lane);
-      fence_proxy_async();
-    };
-    // Adds the dQ part (in shared memory) of item (h, q0) to the accumulator.
-    const auto add_dq = [&](int h, int64_t q0) {
-      named_barrier_sync(kDqStored + consumer, 128);  // the dQ part is in shared memory
-      if (elected) {
-#pragma unroll
-        for (int cb = 0; cb < kDq / 32; ++cb)
-          tma_reduce_add_4d(&maps.dq, sdq + cb * kDq * 32, dq_col0 + cb * 32, h,
-                            static_cast<int>(seq.row_q + q0 + dq_row0), packed ? 0 : static_cast<int>(b));
-        bulk_commit();
-      }
-    };
-    int prev_h = 0;  // kOffset: the last item's q head and first row, whose dQ goes out in this one
-    int64_t prev_q0 = 0;
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i) {
       const auto [stage, h, q0, rows, q_tile, do_tile] = item_tiles(i, at, seq, sq, sdo);
       // Q and dO as operands B, MN-major (column blocks kBlockM rows apart), for dK and dV.
       const uint64_t q_mn = mn_major_desc(q_tile, kBlockM * 128), do_mn = mn_major_desc(do_tile, kBlockM * 128);
-      T* ds_tile = sds + (i % kDsBuffers) * kBlockN * kBlockM;
+      T* ds_tile = sds + (i % 2) * kBlockN * kBlockM;
 
       // S^T (unless the last item issued it) and dP^T = V dO^T (dO as operand B, K-major) for
       // this consumer's 64 keys.
@@ -348,7 +301,6 @@ struct Backward {
       wgmma_wait<0>();
       keep(st);
       keep(dpt);
-      if (kOffset && consumer == 0 && i == 0) named_barrier_arrive(kStart, 256);
 
       // The lane, opaque to the compiler in each item: otherwise it computes every element's
       // key and query offsets once, before the loop, and spills them.
@@ -371,10 +323,8 @@ struct Backward {
         Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], advance(do_mn, kq * 2048), true);
       wgmma_commit();
       // The last item's reduce-add has read its dQ part before this item writes it (below, after
-      // the barrier of the two consumers; kOffset, after one of this consumer's).
-      if (!kOffset && elected) bulk_wait_read();
-      // kOffset: the other consumer's dQ products of the item that last used this dS^T buffer are in.
-      if (kOffset && i >= kDsBuffers) mbarrier_wait(&ds_free[other][i % 3], static_cast<uint32_t>(i / 3 - 1) & 1u);
+      // the barrier of the two consumers).
+      if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq) {
         accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
@@ -382,26 +332,20 @@ struct Backward {
         store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
       }
       fence_proxy_async();
-      if constexpr (kOffset) {
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(&ds_ready[consumer][i % 3]);  // this warp's dS^T rows of item i are in
-        if (i > 0) mbarrier_wait(&ds_ready[other][(i - 1) % 3], static_cast<uint32_t>((i - 1) / 3) & 1u);
-      } else {
-        named_barrier_sync(kDsStored, 256);  // both consumers' dS^T rows are in shared memory
-      }
+      named_barrier_sync(kDsStored, 256);  // both consumers' dS^T rows are in shared memory
 
       // The dQ part = dS K over all keys (dS^T's column block of the part's 64 queries and K's
       // column block of its 64 columns, column blocks kBlockN rows apart), then dK += dS^T Q: dQ
       // goes out while dK's products run. With kPipelined, dK's dS^T is this consumer's rows in
       // shared memory (operand A, K-major), so that no register holds it under the next S^T.
-      // kOffset: the last item's dQ, from its dS^T buffer. At item 0 there is none: the products
-      // run on K's tile, which nothing writes, and their result is dropped (no branch around a wgmma).
-      T* dq_ds_tile = !kOffset ? ds_tile : i > 0 ? sds + ((i + kDsBuffers - 1) % kDsBuffers) * kBlockN * kBlockM : sk;
-      const uint64_t ds_mn = mn_major_desc(smem_u32(dq_ds_tile) + dq_row0 / 64 * kBlockN * 128, kBlockN * 128);
+      const uint64_t ds_mn = mn_major_desc(smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128, kBlockN * 128);
+      const uint64_t k_mn = mn_major_desc(k_tile + dq_col0 / 64 * kBlockN * 128, kBlockN * 128);
       keep(dk);
       keep(da);
       wgmma_fence();
-      issue_dq(ds_mn);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks)
+        Wgmma<T, kDq>::template ss<1, 1>(dq, advance(ds_mn, ks * 2048), advance(k_mn, ks * 2048), ks > 0);
       wgmma_commit();
       if constexpr (kPipelined) {
         const uint64_t ds_desc = k_major_desc(smem_u32(ds_tile) + consumer * 64 * 128);
@@ -419,42 +363,23 @@ struct Backward {
       keep(dv);
       keep(pa);
 
-      if constexpr (kOffset) {
-        if (i > 0) {
-          __syncwarp();
-          if (lane == 0) mbarrier_arrive(&ds_free[consumer][(i - 1) % 3]);  // its dQ products of item i - 1 are in
-          store_dq_part();
-        }
-      } else {
-        store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, item_lane);
-        fence_proxy_async();
-      }
+      store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, item_lane);
+      fence_proxy_async();
       items.next(at);
       if (kPipelined && i + 1 < items.count) issue_s(i + 1, at);
-      if (!kOffset) add_dq(h, q0);
-      else if (i > 0) add_dq(prev_h, prev_q0);
+      named_barrier_sync(kDqStored + consumer, 128);  // the dQ part is in shared memory
+      if (elected) {
+#pragma unroll
+        for (int cb = 0; cb < kDq / 32; ++cb)
+          tma_reduce_add_4d(&maps.dq, sdq + cb * kDq * 32, dq_col0 + cb * 32, h,
+                            static_cast<int>(seq.row_q + q0 + dq_row0), packed ? 0 : static_cast<int>(b));
+        bulk_commit();
+      }
       wgmma_wait<0>();  // dK (and the next item's S^T)
       keep(dk);
       keep(st);
       if constexpr (!kPipelined) keep(da);
       if (lane == 0) mbarrier_arrive(&empty[stage]);  // Q, dO and the statistics of the stage are free
-      prev_h = h;
-      prev_q0 = q0;
-    }
-    if (kOffset && items.count > 0) {  // the last item's dQ
-      mbarrier_wait(&ds_ready[other][(items.count - 1) % 3], static_cast<uint32_t>((items.count - 1) / 3) & 1u);
-      const T* ds_tile = sds + ((items.count - 1) % kDsBuffers) * kBlockN * kBlockM;
-      keep(dk);
-      keep(dv);
-      wgmma_fence();
-      issue_dq(mn_major_desc(smem_u32(ds_tile) + dq_row0 / 64 * kBlockN * 128, kBlockN * 128));
-      wgmma_commit();
-      wgmma_wait<0>();
-      keep(dq);
-      keep(dk);
-      keep(dv);
-      store_dq_part();
-      add_dq(prev_h, prev_q0);
     }
     if (maps.store_grads && valid_n == kBlockN) {
       // dV into this consumer's rows of V (only its own dP^T products read them), dK into a tile of
@@ -625,12 +550,12 @@ struct Backward {
   }
 };
 
-template <typename T, int kHeadDim, bool kOffset>
-__global__ void __launch_bounds__(Backward<T, kHeadDim, kOffset>::kThreads, 1)
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(Backward<T, kHeadDim>::kThreads, 1)
     backward_kernel(const __grid_constant__ Params p, const __grid_constant__ BackwardMaps maps,
                     const core::TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  Backward<T, kHeadDim, kOffset>::run(p, maps, order);
+  Backward<T, kHeadDim>::run(p, maps, order);
 #endif
 }
 

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -181,54 +180,41 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
   RINGFLASH_CUDA_CHECK(cudaGetLastError());
 }
 
-// The backward's main kernel (Backward<T, kHeadDim, kOffset>).
-template <typename T, int kHeadDim, bool kOffset>
-void launch_backward_main(const Params& p, cudaStream_t stream) {
-  using B = Backward<T, kHeadDim, kOffset>;
-  const core::AttentionArgs& a = p.a;
-  // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
-  dim3 grid;
-  const int64_t dq_bytes = B::kWide ? 0 : 4;
-  const core::TileOrder order =
-      tile_order(p, a.heads_kv, blocks_for(p.max_rows_k, B::kBlockN), 1,
-                 p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + dq_bytes), "backward", &grid);
-  if (grid.x == 0) return;
-  allow_smem(backward_kernel<T, kHeadDim, kOffset>, B::kSmemBytes, "Hopper backward", kHeadDim);
-  const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
-  BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                    operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
-                    operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                    operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
-                    stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                    stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
-                    B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq),
-                    {},
-                    {},
-                    !a.accumulate && !B::kWide};
-  // Whole key tiles' dK and dV go out through shared memory by TMA (a consumer's 64 keys as one
-  // box), partial ones and fp32 accumulators from registers. attention_backward holds dk and dv to
-  // q's alignment rule.
-  if (maps.store_grads) {
-    maps.dk = operand_map<T>(a.dk, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
-    maps.dv = operand_map<T>(a.dv, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
-  }
-  backward_kernel<T, kHeadDim, kOffset><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
-  RINGFLASH_CUDA_CHECK(cudaGetLastError());
-}
-
 // At head dim 256 (kWide) the backward kernel computes dK and dV, and the dQ kernel writes dQ.
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
   const auto main = [&] {
-    if constexpr (kHeadDim == 128) {
-      static const bool offset = [] {
-        const char* v = std::getenv("RINGFLASH_SM90_OFFSET");
-        return !(v && v[0] == '0');
-      }();
-      if (offset) return launch_backward_main<T, kHeadDim, true>(p, stream);
+    const core::AttentionArgs& a = p.a;
+    // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
+    dim3 grid;
+    const int64_t dq_bytes = B::kWide ? 0 : 4;
+    const core::TileOrder order =
+        tile_order(p, a.heads_kv, blocks_for(p.max_rows_k, B::kBlockN), 1,
+                   p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + dq_bytes), "backward", &grid);
+    if (grid.x > 0) {
+      allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
+      const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
+      BackwardMaps maps{operand_map<T>(a.q, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                        operand_map<T>(a.dout, a.head_dim, a.heads_q, a.rows_q, batch, B::kBlockM),
+                        operand_map<T>(a.k, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                        operand_map<T>(a.v, a.head_dim, a.heads_kv, a.rows_k, batch, B::kBlockN),
+                        stat_map(p.lse2, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                        stat_map(p.dsum, p.stat_head_stride, batch * a.heads_q, B::kStatRows),
+                        B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq),
+                        {},
+                        {},
+                        !a.accumulate && !B::kWide};
+      // Whole key tiles' dK and dV go out through shared memory by TMA (a consumer's 64 keys as
+      // one box), partial ones and fp32 accumulators from registers. attention_backward holds dk
+      // and dv to q's alignment rule.
+      if (maps.store_grads) {
+        maps.dk = operand_map<T>(a.dk, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
+        maps.dv = operand_map<T>(a.dv, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
+      }
+      backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
+      RINGFLASH_CUDA_CHECK(cudaGetLastError());
     }
-    launch_backward_main<T, kHeadDim, false>(p, stream);
     if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
   };
   backward_passes<T, kHeadDim>(p, total_rows, stream, main, B::kWide);
