@@ -124,10 +124,28 @@ def make_timer():
     return "triton.testing.do_bench", bench
 
 
+def flush_buffer():
+    """A buffer whose zeroing evicts the L2 cache between timed calls, as do_bench's does."""
+    return torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+
+def timed_call(fn, flush, grad_to_none=None):
+    """One call of fn after an L2 flush, between two CUDA events that leave the flush out, with the
+    gradients of grad_to_none reset first; returns the (start, end) events."""
+    for t in grad_to_none or []:
+        t.grad = None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush.zero_()
+    start.record()
+    fn()
+    end.record()
+    return start, end
+
+
 def do_bench_events(fn, warmup, rep, grad_to_none=None):
     """triton.testing.do_bench's procedure: estimate one call, run `warmup` ms of calls, then time
     `rep` ms of calls one by one between L2 flushes, and return the median in ms."""
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = flush_buffer()
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -139,19 +157,11 @@ def do_bench_events(fn, warmup, rep, grad_to_none=None):
     torch.cuda.synchronize()
     estimate = max(start.elapsed_time(end) / 5, 1e-3)
     n_warmup, n_repeat = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     for _ in range(n_warmup):
         fn()
-    for i in range(n_repeat):
-        for t in grad_to_none or []:
-            t.grad = None
-        flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
+    spans = [timed_call(fn, flush, grad_to_none) for _ in range(n_repeat)]
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return statistics.median(s.elapsed_time(e) for s, e in spans)
 
 
 class Energy:
@@ -191,26 +201,15 @@ def steady(fn, seconds, energy, grad_to_none=None, warmup=0.5):
     seconds with the L2 flushed before each call, as do_bench does: the time is the mean of the
     calls' own spans (CUDA events around each, the flush outside), the energy NVML's over the whole
     stretch per call (the flushes' included). The host waits for the GPU every 5 calls."""
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = flush_buffer()
 
-    def calls(n, spans=None):
-        for _ in range(n):
-            for t in grad_to_none or []:
-                t.grad = None
-            flush.zero_()
-            if spans is None:
-                fn()
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            spans.append((start, end))
+    def calls(n, spans):
+        spans.extend(timed_call(fn, flush, grad_to_none) for _ in range(n))
         torch.cuda.synchronize()
 
     end = time.perf_counter() + warmup
     while time.perf_counter() < end:
-        calls(5)
+        calls(5, [])
     spans = []
     e0, t0 = energy.joules(), time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -280,7 +279,7 @@ def measure_interleaved(backends, inputs, causal, calls):
     taking turns call by call (L2 flushed before each call, the first backend rotating), so that
     every backend meets the same GPU clocks. A backend that raises is left out; {backend: message}
     of those comes second."""
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = flush_buffer()
     passes, errors = {}, {}
     for backend in backends:
         passes[backend] = passes_of(backend, inputs, causal)
@@ -300,16 +299,8 @@ def measure_interleaved(backends, inputs, causal, calls):
         events = {b: [] for b in names}
         for i in range(calls):
             for backend in names[i % len(names):] + names[:i % len(names)]:
-                fn, grads = passes[backend][which], passes[backend][2]
-                for t in grads:
-                    t.grad = None
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with backend_context(backend):
-                    flush.zero_()
-                    start.record()
-                    fn()
-                    end.record()
-                events[backend].append((start, end))
+                    events[backend].append(timed_call(passes[backend][which], flush, passes[backend][2]))
         torch.cuda.synchronize()
         for backend in names:
             times[backend].append(statistics.median(s.elapsed_time(e) for s, e in events[backend]))
