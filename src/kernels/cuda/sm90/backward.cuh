@@ -62,7 +62,10 @@ struct Backward {
   // products. At head dim 256 (kWide) a block of 64 keys: dK and dV of 64 keys x 256 columns do
   // not fit one consumer's registers, so the consumers split their columns instead (consume_wide).
   static constexpr bool kWide = kHeadDim == 256;
-  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = kWide ? 64 : 128, kStages = 2;
+  static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = kWide ? 64 : 128;
+  // Stages of Q, dO and their statistics: three at head dim 128 (on an H100 the backward ran about
+  // 0.5 % faster than with two, bench/NOTES.md h50); the other head dims' tiles leave room for two.
+  static constexpr int kStages = kHeadDim == 128 ? 3 : 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -87,9 +90,14 @@ struct Backward {
   // A consumer's part of dQ in fp32, kDq x kDq in column blocks of 32 (128 bytes a row, 128-byte
   // swizzle), the source of its TMA reduce-adds.
   static constexpr int kDqBytes = kWide ? 0 : kDq * kDq * 4;  // head dim 256: the dQ kernel's (dq.cuh)
-  // K, V; per stage Q and dO; two dS^T buffers, or two of P^T and dS^T (one item's products read
-  // the one the next item does not write); two dQ parts; + room to align to 1024.
-  static constexpr int kSmemBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes + 1024;
+  // The block's shared memory, all of it dynamic: K, V; per stage Q and dO; two dS^T buffers, or
+  // two of P^T and dS^T (one item's products read the one the next item does not write); two dQ
+  // parts; then the statistics of each stage and the barriers. With no static shared memory the
+  // dynamic buffer starts at the window's 1024-byte boundary, which the tiles' 128-byte swizzle
+  // needs, so no room is kept to align it (three stages at head dim 128 fit only so).
+  static constexpr int kTileBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes;
+  static constexpr int kStatsBytes = kStages * 2 * kStatSlot * 4;
+  static constexpr int kSmemBytes = kTileBytes + kStatsBytes + (1 + 2 * kStages) * 8;
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
@@ -97,14 +105,19 @@ struct Backward {
 
   static __device__ void run(const Params& p, const BackwardMaps& maps, const core::TileOrder& order) {
     extern __shared__ unsigned char raw[];
-    T* sk = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    if (smem_u32(raw) % 1024 != 0) __trap();  // see kSmemBytes: the swizzled tiles would be read wrong
+    T* sk = reinterpret_cast<T*>(raw);
     T* sv = sk + kBlockN * kHeadDim;
     T* sq = sv + kBlockN * kHeadDim;            // kStages tiles
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;                        // two tiles
     float* sdq = reinterpret_cast<float*>(sds + 2 * kBlockN * kBlockM);  // two parts
-    __shared__ __align__(128) float stats[kStages][2][kStatSlot];  // lse2, dsum
-    __shared__ uint64_t kv_full, full[kStages], empty[kStages];
+    unsigned char* tail = raw + kTileBytes;                             // a multiple of 1024 bytes in
+    auto& stats = *reinterpret_cast<float(*)[kStages][2][kStatSlot]>(tail);  // lse2, dsum
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(tail + kStatsBytes);
+    uint64_t& kv_full = barriers[0];
+    auto& full = *reinterpret_cast<uint64_t(*)[kStages]>(barriers + 1);
+    auto& empty = *reinterpret_cast<uint64_t(*)[kStages]>(barriers + 1 + kStages);
 
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.y;
