@@ -5,7 +5,8 @@
 //
 //   - Warpgroup 0 is the producer (24 registers): one thread loads K and V once, then for each
 //     item (a query tile of 64 rows, 128 at head dim 64, for each q head of the group in turn) Q
-//     and dO, and the rows' lse2 and dsum, into two stages by TMA on mbarriers.
+//     and dO, and the rows' lse2 and dsum, into stages (three at head dim 128, two otherwise) by
+//     TMA on mbarriers.
 //   - Warpgroups 1 and 2 are the consumers (240 registers), 64 keys each. Per item, with wgmma:
 //       S^T = K Q^T and dP^T = V dO^T      (64 keys x the tile's queries, both operands K-major)
 //       P^T, dS^T                          (the sm_80 backward's element_gradient: mask, softcap, ALiBi)
@@ -63,8 +64,8 @@ struct Backward {
   // not fit one consumer's registers, so the consumers split their columns instead (consume_wide).
   static constexpr bool kWide = kHeadDim == 256;
   static constexpr int kBlockM = kHeadDim == 64 ? 128 : 64, kBlockN = kWide ? 64 : 128;
-  // Stages of Q, dO and their statistics: three at head dim 128 (on an H100 the backward ran about
-  // 0.5 % faster than with two, bench/NOTES.md h50); the other head dims' tiles leave room for two.
+  // Stages of Q, dO and their statistics: three at head dim 128 (on an H100 the backward ran
+  // 0.5-0.8 % faster than with two, bench/NOTES.md h50); the other head dims' tiles leave room for two.
   static constexpr int kStages = kHeadDim == 128 ? 3 : 2;
   static constexpr int kThreads = 384;
   static constexpr int kConsumerWarps = 8;
