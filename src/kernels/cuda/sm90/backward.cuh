@@ -99,6 +99,7 @@ struct Backward {
   static constexpr int kTileBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes;
   static constexpr int kStatsBytes = kStages * 2 * kStatSlot * 4;
   static constexpr int kSmemBytes = kTileBytes + kStatsBytes + (1 + 2 * kStages) * 8;
+  static_assert(kTileBytes % 1024 == 0, "the statistics' TMA copies land 128-byte aligned after the tiles");
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
@@ -113,7 +114,7 @@ struct Backward {
     T* sdo = sq + kStages * kBlockM * kHeadDim;  // kStages tiles
     T* sds = sdo + kStages * kBlockM * kHeadDim;                        // two tiles
     float* sdq = reinterpret_cast<float*>(sds + 2 * kBlockN * kBlockM);  // two parts
-    unsigned char* tail = raw + kTileBytes;                             // a multiple of 1024 bytes in
+    unsigned char* tail = raw + kTileBytes;
     auto& stats = *reinterpret_cast<float(*)[kStages][2][kStatSlot]>(tail);  // lse2, dsum
     uint64_t* barriers = reinterpret_cast<uint64_t*>(tail + kStatsBytes);
     uint64_t& kv_full = barriers[0];
