@@ -559,6 +559,11 @@ struct Forward {
     } else {
       write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
       if (own_q) named_barrier_sync(kOutStaged + consumer, 128);  // every warp is past its products
+      // Persistent, a consumer loads its own rows of Q: with no products of its own it has not
+      // waited for them, and its copy must land before the next one goes to the same barrier (a
+      // second arrival in one phase) or the block ends (a copy into freed shared memory).
+      if constexpr (kPersistent)
+        if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, q_phase);
     }
   }
 
