@@ -99,7 +99,7 @@ struct Backward {
   static constexpr int kTileBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes;
   static constexpr int kStatsBytes = kStages * 2 * kStatSlot * 4;
   static constexpr int kSmemBytes = kTileBytes + kStatsBytes + (1 + 2 * kStages) * 8;
-  static_assert(kTileBytes % 1024 == 0, "the statistics' TMA copies land 128-byte aligned after the tiles");
+  static_assert(kTileBytes % 1024 == 0, "the tiles end on a 1024-byte boundary, where the statistics' TMA copies land");
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "within sm_90's shared memory per block");
