@@ -11,7 +11,10 @@ sequence 32k and 128k, forward and forward+backward; here with 32 K/V heads (MHA
 and with 8 (GQA 4:1). Each rank holds its shard in the strategy's layout
 (ringflash.shard_positions) and calls ringflash.parallel_attention; t1 is
 ringflash.flash_attn_func on the whole sequence on one GPU (every rank runs it on its own GPU at
-the same time; rank 0's time is reported, every rank's is in the JSON).
+the same time; rank 0's time is reported, every rank's is in the JSON, and the table's "GPUs %"
+is how much slower the slowest GPU ran it than the fastest: tP is the slowest rank's and t1 rank
+0's, so where rank 0's GPU is the fastest the efficiency reads up to that spread lower than it
+would on equal GPUs).
 
 Timing as the peer's: warm-up calls (-w), then a barrier, then -n calls, each between two CUDA
 events followed by a synchronize; the median. Inputs rotate over --sets copies (made before
@@ -314,6 +317,7 @@ def run_shape(args, ranks, groups, seqlen, heads_kv):
             else:
                 t1_ms, tp_ms = t1_ranks[0], max(tp_ranks)
                 row.update(t1_ms=t1_ms, tp_ms=tp_ms, t1_ms_ranks=t1_ranks, tp_ms_ranks=tp_ranks,
+                           t1_spread=max(t1_ranks) / min(t1_ranks) - 1,
                            tflops_per_gpu=flops / ranks.world / tp_ms / 1e9, one_gpu_tflops=flops / t1_ms / 1e9,
                            efficiency=t1_ms / (ranks.world * tp_ms))
             if verdict is not None:
@@ -337,7 +341,7 @@ def fmt(value, spec):
 
 
 def table(rows):
-    lines = [f"{'seqlen':>7} {'hkv':>4} {'pass':>7} {'strategy':>9} | {'t1 ms':>9} {'tP ms':>9} | "
+    lines = [f"{'seqlen':>7} {'hkv':>4} {'pass':>7} {'strategy':>9} | {'t1 ms':>9} {'GPUs %':>6} {'tP ms':>9} | "
              f"{'TFLOP/s/GPU':>11} {'1-GPU TFLOP/s':>13} {'eff':>5} | check"]
     for r in rows:
         if "error" in r:
@@ -351,8 +355,9 @@ def table(rows):
             grads = max(c[f"{g}_rel_diff"] for g in ("dq", "dk", "dv"))
             verdict = (f"{'ok' if c['agrees'] else 'MISMATCH'} (rel diff out {c['out_rel_diff']:.1e}, "
                        f"grads {grads:.1e})")
+        spread = None if r.get("t1_spread") is None else 100 * r["t1_spread"]
         lines.append(f"{r['seqlen']:>7} {r['heads_kv']:>4} {r['pass']:>7} {r['strategy']:>9} | "
-                     f"{fmt(r.get('t1_ms'), '9.2f')} {fmt(r.get('tp_ms'), '9.2f')} | "
+                     f"{fmt(r.get('t1_ms'), '9.2f')} {fmt(spread, '6.1f')} {fmt(r.get('tp_ms'), '9.2f')} | "
                      f"{fmt(r.get('tflops_per_gpu'), '11.1f')} {fmt(r.get('one_gpu_tflops'), '13.1f')} "
                      f"{fmt(r.get('efficiency'), '5.2f')} | {verdict}")
     return "\n".join(lines)
