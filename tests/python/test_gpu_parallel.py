@@ -2,7 +2,7 @@
 transport. Skipped unless there are that many CUDA devices and ringflash was built with CUDA and
 NCCL.
 
-Four worlds of that many processes (the fault test: 2), torch.distributed backend "nccl", rank r
+Five worlds of that many processes (the fault test: 2), torch.distributed backend "nccl", rank r
 on cuda:r, each started once:
 
 * accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid in every 2D layout of the ranks
@@ -26,6 +26,10 @@ on cuda:r, each started once:
 * graph: a zigzag (then ulysses) forward+backward, warmed up eagerly, captured in a CUDA graph on
   static inputs and replayed with new values copied into them, gives what an eager call on those
   values gives (the forward bit for bit, the gradients up to the order of atomic adds).
+* exit: each rank captures a zigzag forward+backward in a CUDA graph, replays it and keeps the
+  graph alive until its process ends; every rank must exit within the world's limit (90 s), which
+  is below the communicators' deadline (300 s): NCCL cannot finalise a communicator while a graph
+  holds its work, and a rank that waited for that would hang at exit.
 * fault: with RINGFLASH_COMM_TIMEOUT=5, rank 1 fails (raises and catches its own error) before its
   second call and stays alive, silent, a little past the deadline; rank 0 makes that call and gets
   a ringflash.CommError naming the op and rank 1 within the deadline plus slack (30 s), and
@@ -323,6 +327,49 @@ def test_cuda_graph_capture_and_replay():
     failures = [f"rank {rank}: {f}" for rank, r in enumerate(results) for f in r["failures"]]
     assert [r["failed_everywhere"] for r in results] == [0] * WORLD and not failures, "\n".join(failures)
 
+
+
+# Graphs that a rank's body leaves alive: they go only when its process's interpreter ends, after
+# ringflash's communicators are released (the order of a script that keeps its graphs).
+_KEPT_GRAPHS = []
+EXIT_LIMIT_S = 90  # the world's limit, below the communicators' deadline in EXIT_ENV
+EXIT_ENV = dict(GPU_ENV, RINGFLASH_COMM_TIMEOUT="300")
+
+
+def _kept_graph_body(rank, world):
+    device = _device(rank)
+    case = GRAPH_CASE
+    pos = shard_positions(case.seqlen, "zigzag", device=device).to(device)
+    q, k, v, dout = (t[:, pos] for t in _global_inputs(case.seqlen, case.heads, case.heads_kv, case.head_dim,
+                                                       case.dtype, 43, device))
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        parallel_attention(*static, "zigzag", causal=True).backward(dout)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    _KEPT_GRAPHS.append(graph)
+    return dict(replayed=bool(torch.isfinite(static[0].grad).all()))
+
+
+def test_ranks_exit_while_a_captured_graph_is_alive():
+    # NCCL finalises a communicator only once the graphs that hold its work are gone; a rank that
+    # waited for that at exit would hang until the communicators' deadline, past the world's limit.
+    start = time.monotonic()
+    results = run_world(WORLD, _kept_graph_body, backend="nccl", env=EXIT_ENV, timeout=EXIT_LIMIT_S)
+    assert [r["replayed"] for r in results] == [True] * WORLD
+    assert time.monotonic() - start < EXIT_LIMIT_S
 
 def _fault_body(rank, world):
     device = _device(rank)

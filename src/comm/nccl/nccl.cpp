@@ -16,7 +16,10 @@
 // NCCL communicator for an asynchronous error; on either it aborts all of the world's NCCL
 // communicators (the kernels waiting on a dead peer return) and records the error, which every
 // later call, wait() and synchronize() throws as CommError. Under CUDA graph capture nothing can
-// be polled: captured operations have no deadline.
+// be polled: captured operations have no deadline. NCCL finalises a communicator only once every
+// CUDA graph holding work of it is destroyed, so a world that has had work captured closes its
+// NCCL communicators only if that happens within a short grace, and otherwise leaves them to the
+// process's end (the graphs of a script often live until then).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -59,6 +62,9 @@ using Clock = std::chrono::steady_clock;
 
 constexpr auto kPollInterval = std::chrono::microseconds(50);
 constexpr auto kWatchdogInterval = std::chrono::milliseconds(10);
+// How long a communicator whose world has had work captured into a CUDA graph waits for NCCL to
+// finalise it when it is closed.
+constexpr auto kCapturedCloseGrace = std::chrono::milliseconds(500);
 constexpr auto kSynchronizeGrace = std::chrono::seconds(1);
 
 double seconds(std::chrono::milliseconds t) { return std::chrono::duration<double>(t).count(); }
@@ -102,6 +108,13 @@ class World {
 
   // The first failure, or "" while the world is healthy. Callers hold mutex().
   const std::string& failure() const { return failure_; }
+
+  // Whether any of the world's work has been captured into a CUDA graph. Callers hold mutex().
+  bool captured() const { return captured_; }
+  void mark_captured() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    captured_ = true;
+  }
   void throw_if_failed() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) throw CommError(failure_);
@@ -180,6 +193,7 @@ class World {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false;
+  bool captured_ = false;
   std::string failure_;
   std::list<ncclComm_t> comms_;  // a list: slots stay where they are
   std::list<Pending> pending_;
@@ -229,7 +243,10 @@ class Channel {
   }
 
   // Releases the NCCL communicator: finalised and destroyed when healthy (aborted if that does
-  // not finish by `deadline`), aborted after a failure.
+  // not finish by `deadline`), aborted after a failure. When the world has had work captured into
+  // a CUDA graph, a finalisation that does not finish within kCapturedCloseGrace waits for a graph
+  // that still holds that work; the communicator is then left to the process's end, since an
+  // abort could wait on the same graph.
   void close(Clock::time_point deadline) noexcept {
     std::unique_lock<std::mutex> lock(world_->mutex());
     const ncclComm_t c = *slot_;
@@ -237,6 +254,8 @@ class Channel {
     *slot_ = nullptr;
     ncclResult_t state = ncclInternalError;
     if (world_->failure().empty()) {
+      const bool captured = world_->captured();
+      if (captured) deadline = std::min(deadline, Clock::now() + kCapturedCloseGrace);
       state = ncclCommFinalize(c);
       while ((state == ncclSuccess || state == ncclInProgress) && Clock::now() < deadline) {
         if (ncclCommGetAsyncError(c, &state) != ncclSuccess || state != ncclInProgress) break;
@@ -244,6 +263,7 @@ class Channel {
         std::this_thread::sleep_for(kPollInterval);
         lock.lock();
       }
+      if (captured && state == ncclInProgress) return;
     }
     if (state == ncclSuccess) ncclCommDestroy(c);
     else ncclCommAbort(c);
@@ -577,8 +597,10 @@ class NcclCommunicator : public Communicator {
     RINGFLASH_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ready, 0));
     cudaEventDestroy(ready);
     const Clock::time_point deadline = Clock::now() + timeout_;
+    const bool capturing = is_capturing(stream);
+    if (capturing) world_->mark_captured();
     auto launch = std::make_shared<Launch>(world_, data_, comm_stream_, prefix(op), no_message(op, ops), deadline,
-                                           !is_capturing(stream));
+                                           !capturing);
     data_.issue(prefix(op), [&](ncclComm_t c) {
       ncclGroupStart();
       enqueue(c, ops, comm_stream_);
