@@ -47,7 +47,6 @@ def test_a_shard_is_new_leaves_of_its_rows():
     assert shards[3][0, :, 0, 0].tolist() == [8.0, 2.0, 10.0]
 
 
-
 def test_the_table_shows_how_far_apart_the_gpus_ran_the_one_gpu_call():
     row = dict(seqlen=32768, heads_kv=8, strategy="zigzag", t1_ms=50.0, tp_ms=13.0, t1_spread=0.025,
                tflops_per_gpu=500.0, one_gpu_tflops=550.0, efficiency=0.96, **{"pass": "fwd_bwd"})
@@ -56,6 +55,7 @@ def test_the_table_shows_how_far_apart_the_gpus_ran_the_one_gpu_call():
     assert "50.00    2.5     13.00" in line
     failed = dict(seqlen=32768, heads_kv=8, strategy="ring", error="boom", **{"pass": "fwd"})
     assert "| - - - |" in cp_bench.table([failed]).splitlines()[1]
+
 
 def test_a_profile_sums_gpu_work_by_kind_and_finds_the_idle_time():
     import cp_profile

@@ -328,7 +328,6 @@ def test_cuda_graph_capture_and_replay():
     assert [r["failed_everywhere"] for r in results] == [0] * WORLD and not failures, "\n".join(failures)
 
 
-
 # Graphs that a rank's body leaves alive: they go only when its process's interpreter ends, after
 # ringflash's communicators are released (the order of a script that keeps its graphs).
 _KEPT_GRAPHS = []
