@@ -5,15 +5,36 @@ GPU) and test_gpu_parallel.py (a strategy on 2 GPUs over NCCL).
 
 ``attend(q, k, v) -> (out, lse)``. The graph is captured on static copies of ``values[0]`` and
 replayed with each later set of ``values`` copied into them; every replay is compared with an eager
-call on the same values.
+call on the same values. ``capture(step, static, warmup_steps)`` is its warm-up and capture alone.
 """
 
 import torch
 
-__all__ = ["graph_replay_problems"]
+__all__ = ["capture", "graph_replay_problems"]
 
 RESULT_NAMES = ("out", "lse", "dq", "dk", "dv")
 
+
+
+def capture(step, static, warmup_steps):
+    """step() run `warmup_steps` times on a side stream (torch.cuda.graphs: whole-network capture),
+    then captured in a CUDA graph with the gradients of `static` (its input leaves) unset, so that
+    the graph allocates them and its replays overwrite them. Returns the graph and what step()
+    returned during the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            for t in static:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
 
 def graph_replay_problems(attend, values, dout, *, warmup_steps, exact_grads):
     """Captures attend(q, k, v) and out.backward(dout) in a CUDA graph and replays it.
@@ -37,21 +58,7 @@ def graph_replay_problems(attend, values, dout, *, warmup_steps, exact_grads):
         out.backward(dout)
         return out, lse
 
-    # Warm up on a side stream (torch.cuda.graphs: whole-network capture), then capture with the
-    # gradients unset, so that the graph allocates them and later replays overwrite them.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_steps):
-            for t in static:
-                t.grad = None
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in static:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = capture(step, static, warmup_steps)
 
     problems, replayed_outs = [], []
     for new in values[1:]:

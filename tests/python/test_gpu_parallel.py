@@ -52,7 +52,7 @@ import ringflash
 from ringflash.distributed import communicator, selected
 from ringflash.parallel import init_process_groups, parallel_attention, shard_positions
 from dist_harness import run_world
-from graph_check import graph_replay_problems
+from graph_check import capture, graph_replay_problems
 from reference import ATOL, F64, attention, attention_varlen, cu_seqlens, max_error, rounded_randn
 
 # The world of the accuracy, packed and graph tests: 2 GPUs, or RINGFLASH_TEST_GPUS of them (4 or 8
@@ -346,16 +346,7 @@ def _kept_graph_body(rank, world):
     def step():
         parallel_attention(*static, "zigzag", causal=True).backward(dout)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in static:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture(step, static, warmup_steps=1)
     graph.replay()
     torch.cuda.synchronize()
     _KEPT_GRAPHS.append(graph)
