@@ -15,7 +15,6 @@ __all__ = ["capture", "graph_replay_problems"]
 RESULT_NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
-
 def capture(step, static, warmup_steps):
     """step() run `warmup_steps` times on a side stream (torch.cuda.graphs: whole-network capture),
     then captured in a CUDA graph with the gradients of `static` (its input leaves) unset, so that
@@ -35,6 +34,7 @@ def capture(step, static, warmup_steps):
     with torch.cuda.graph(graph):
         result = step()
     return graph, result
+
 
 def graph_replay_problems(attend, values, dout, *, warmup_steps, exact_grads):
     """Captures attend(q, k, v) and out.backward(dout) in a CUDA graph and replays it.

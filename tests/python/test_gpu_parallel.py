@@ -361,6 +361,7 @@ def test_ranks_exit_while_a_captured_graph_is_alive():
     assert [r["replayed"] for r in results] == [True] * WORLD
     assert time.monotonic() - start < EXIT_LIMIT_S
 
+
 def _fault_body(rank, world):
     device = _device(rank)
     seqlen = 1013
