@@ -2,7 +2,7 @@
 transport. Skipped unless there are that many CUDA devices and ringflash was built with CUDA and
 NCCL.
 
-Five worlds of that many processes (the fault test: 2), torch.distributed backend "nccl", rank r
+Seven worlds of that many processes (the fault tests: 2), torch.distributed backend "nccl", rank r
 on cuda:r, each started once:
 
 * accuracy: ring, zigzag, stripe, allgather, ulysses, and hybrid in every 2D layout of the ranks
@@ -33,8 +33,11 @@ on cuda:r, each started once:
 * fault: with RINGFLASH_COMM_TIMEOUT=5, rank 1 fails (raises and catches its own error) before its
   second call and stays alive, silent, a little past the deadline; rank 0 makes that call and gets
   a ringflash.CommError naming the op and rank 1 within the deadline plus slack (30 s), and
-  neither rank hangs. The group is not trusted
-  afterwards: its ranks leave with os._exit (dist_harness's hard_exit).
+  neither rank hangs; once in a world that has captured nothing, and twice in one whose ranks
+  first capture a zigzag forward+backward in a CUDA graph and keep it alive (NCCL's abort of a
+  communicator waits for the graphs that hold its work). The group is not trusted afterwards: its
+  ranks leave with os._exit (dist_harness's hard_exit), except in the last case, which leaves by
+  the interpreter's usual end with the graph still alive.
 
 One to two minutes on 2 H200 (estimated); every world has a hard time limit.
 """
@@ -335,7 +338,10 @@ EXIT_LIMIT_S = 90  # the world's limit, below the communicators' deadline in EXI
 EXIT_ENV = dict(GPU_ENV, RINGFLASH_COMM_TIMEOUT="300")
 
 
-def _kept_graph_body(rank, world):
+def _keep_a_graph(rank):
+    """Captures a zigzag forward+backward in a CUDA graph (collective: every rank of the world
+    calls it), replays it once and keeps it until the process ends; whether the replay's dq is
+    finite."""
     device = _device(rank)
     case = GRAPH_CASE
     pos = shard_positions(case.seqlen, "zigzag", device=device).to(device)
@@ -350,7 +356,11 @@ def _kept_graph_body(rank, world):
     graph.replay()
     torch.cuda.synchronize()
     _KEPT_GRAPHS.append(graph)
-    return dict(replayed=bool(torch.isfinite(static[0].grad).all()))
+    return bool(torch.isfinite(static[0].grad).all())
+
+
+def _kept_graph_body(rank, world):
+    return dict(replayed=_keep_a_graph(rank))
 
 
 def test_ranks_exit_while_a_captured_graph_is_alive():
@@ -362,7 +372,7 @@ def test_ranks_exit_while_a_captured_graph_is_alive():
     assert time.monotonic() - start < EXIT_LIMIT_S
 
 
-def _fault_body(rank, world):
+def _fault_body(rank, world, keep_graph):
     device = _device(rank)
     seqlen = 1013
     pos = shard_positions(seqlen, "zigzag", device=device).to(device)
@@ -372,6 +382,8 @@ def _fault_body(rank, world):
     # works before the fault.
     parallel_attention(q, k, v, "zigzag", causal=True)
     comm.synchronize()
+    if keep_graph:  # the world's failure then aborts communicators whose work a live graph holds
+        _keep_a_graph(rank)
     start = time.monotonic()
     if rank == 1:
         try:
@@ -389,10 +401,15 @@ def _fault_body(rank, world):
     return dict(message=None, seconds=time.monotonic() - start, timeout=comm.timeout)
 
 
-def test_a_silent_peer_ends_in_a_comm_error_at_the_deadline():
+# (keep_graph, hard_exit): the fault in a world that has captured nothing, and in one whose ranks
+# keep a captured graph alive, leaving by os._exit and by the interpreter's usual end.
+@pytest.mark.parametrize("keep_graph,hard_exit", [(False, True), (True, True), (True, False)],
+                         ids=["eager", "graph-alive", "graph-alive-usual-exit"])
+def test_a_silent_peer_ends_in_a_comm_error_at_the_deadline(keep_graph, hard_exit):
     env = dict(GPU_ENV, RINGFLASH_COMM_TIMEOUT=str(FAULT_TIMEOUT_S))
     # A hang of either rank fails the test at the harness's limit.
-    waiting, silent = run_world(FAULT_WORLD, _fault_body, backend="nccl", env=env, hard_exit=True, timeout=150)
+    waiting, silent = run_world(FAULT_WORLD, _fault_body, keep_graph, backend="nccl", env=env, hard_exit=hard_exit,
+                                timeout=150)
     assert silent["error"] == "rank 1 fails before its send"
     assert waiting["timeout"] == FAULT_TIMEOUT_S
     message = waiting["message"]

@@ -19,7 +19,8 @@
 // be polled: captured operations have no deadline. NCCL finalises a communicator only once every
 // CUDA graph holding work of it is destroyed, so a world that has had work captured closes its
 // NCCL communicators only if that happens within a short grace, and otherwise leaves them to the
-// process's end (the graphs of a script often live until then).
+// process's end (the graphs of a script often live until then); after a failure it aborts them on
+// threads of their own, since an abort waits for those graphs too.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -121,10 +122,21 @@ class World {
   }
 
   // Records `reason` (the first one wins) and aborts every NCCL communicator. Callers hold mutex().
+  // An abort first tells the communicator's kernels to quit, then releases it, and the release
+  // waits until no CUDA graph holds the communicator's work: in a world that has had work
+  // captured, each abort runs on a thread of its own, which a live graph may keep until the
+  // process ends, so that the failure still reaches every caller at once.
   void fail_locked(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
     for (ncclComm_t& c : comms_) {
-      if (c) ncclCommAbort(c);
+      if (c && captured_) {
+        std::thread([c, device = device_] {
+          cudaSetDevice(device);
+          ncclCommAbort(c);
+        }).detach();
+      } else if (c) {
+        ncclCommAbort(c);
+      }
       c = nullptr;
     }
   }
