@@ -121,22 +121,26 @@ class World {
     if (!failure_.empty()) throw CommError(failure_);
   }
 
+  // Aborts the NCCL communicator `c`. An abort first tells the communicator's kernels to quit,
+  // then releases it, and the release waits until no CUDA graph holds the communicator's work: in
+  // a world that has had work captured, the abort runs on a thread of its own, which a live graph
+  // may keep until the process ends, so that the caller (holding mutex()) goes on at once.
+  void abort_locked(ncclComm_t c) {
+    if (!captured_) {
+      ncclCommAbort(c);
+      return;
+    }
+    std::thread([c, device = device_] {
+      cudaSetDevice(device);
+      ncclCommAbort(c);
+    }).detach();
+  }
+
   // Records `reason` (the first one wins) and aborts every NCCL communicator. Callers hold mutex().
-  // An abort first tells the communicator's kernels to quit, then releases it, and the release
-  // waits until no CUDA graph holds the communicator's work: in a world that has had work
-  // captured, each abort runs on a thread of its own, which a live graph may keep until the
-  // process ends, so that the failure still reaches every caller at once.
   void fail_locked(const std::string& reason) {
     if (failure_.empty()) failure_ = reason;
     for (ncclComm_t& c : comms_) {
-      if (c && captured_) {
-        std::thread([c, device = device_] {
-          cudaSetDevice(device);
-          ncclCommAbort(c);
-        }).detach();
-      } else if (c) {
-        ncclCommAbort(c);
-      }
+      if (c) abort_locked(c);
       c = nullptr;
     }
   }
@@ -278,7 +282,7 @@ class Channel {
       if (captured && state == ncclInProgress) return;
     }
     if (state == ncclSuccess) ncclCommDestroy(c);
-    else ncclCommAbort(c);
+    else world_->abort_locked(c);
   }
 
  private:
