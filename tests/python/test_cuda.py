@@ -28,6 +28,7 @@ fails.
 """
 
 import dataclasses
+import math
 import os
 import re
 
@@ -732,33 +733,27 @@ SDPA_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("name", list(SDPA_OPTIONS))
-@pytest.mark.parametrize("shape", SDPA_SHAPES, ids=str)
-def test_sdpa(shape, name, dtype):
+def check_against_sdpa(q, k, v, dtype, causal=False, softmax_scale=None):
     """ringflash's error (against the float64 reference) is at most twice that of torch's
     scaled_dot_product_attention on the same GPU in the same dtype, plus the dtype's absolute term,
-    for out and every gradient."""
-    options = SDPA_OPTIONS[name]
-    causal, scale = options.get("causal", False), options.get("softmax_scale")
-    q, k, v = make_qkv(shape, dtype, seed=17)
-    require_support(q, k, v, **options)
+    for out and every gradient. q, k, v on the CPU, (B, S, H, D), Sq == Sk."""
+    require_support(q, k, v, causal=causal, softmax_scale=softmax_scale)
     dout = rounded_randn(q.shape, dtype, torch.Generator().manual_seed(18))
 
     xs = [t.to(F64).requires_grad_() for t in (q, k, v)]
-    ref_out, _ = attention(*xs, dtype=F64, causal=causal, softmax_scale=scale)
+    ref_out, _ = attention(*xs, dtype=F64, causal=causal, softmax_scale=softmax_scale)
     ref_out.backward(dout.to(F64))
     refs = [ref_out] + [x.grad for x in xs]
 
     xr = [t.to(DEVICE, copy=True).requires_grad_() for t in (q, k, v)]
-    out = ringflash.flash_attn_func(*xr, causal=causal, softmax_scale=scale)
+    out = ringflash.flash_attn_func(*xr, causal=causal, softmax_scale=softmax_scale)
     out.backward(dout.to(DEVICE))
     ours = [out] + [x.grad for x in xr]
 
     # (B, S, H, D) -> (B, H, S, D), SDPA's layout.
     xt = [t.to(DEVICE).transpose(1, 2).contiguous().detach().requires_grad_() for t in (q, k, v)]
-    out_t = F.scaled_dot_product_attention(*xt, is_causal=causal, scale=scale,
-                                           enable_gqa=shape.heads_q != shape.heads_kv)
+    out_t = F.scaled_dot_product_attention(*xt, is_causal=causal, scale=softmax_scale,
+                                           enable_gqa=q.shape[2] != k.shape[2])
     out_t.backward(dout.to(DEVICE).transpose(1, 2))
     theirs = [out_t.transpose(1, 2)] + [x.grad.transpose(1, 2) for x in xt]
 
@@ -768,6 +763,41 @@ def test_sdpa(shape, name, dtype):
         bound = 2 * err_sdpa + ATOL[dtype]
         assert err <= bound, (f"{result} ({dtype}): max |ringflash - reference| = {err:.3g} > {bound:.3g} "
                               f"= 2 * {err_sdpa:.3g} (torch SDPA on the GPU) + {ATOL[dtype]:g}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("name", list(SDPA_OPTIONS))
+@pytest.mark.parametrize("shape", SDPA_SHAPES, ids=str)
+def test_sdpa(shape, name, dtype):
+    options = SDPA_OPTIONS[name]
+    check_against_sdpa(*make_qkv(shape, dtype, seed=17), dtype, **options)
+
+
+def rising_scores(shape: Shape, dtype: torch.dtype, rise: float):
+    """q, k, v whose scores climb along the keys by `rise` (log2 units, the default scale) from the
+    first key to the last, with a little noise: every row's max moves in each key tile, by less than
+    the lag the sm_90a forward allows its max (8) when rise / tiles is below it, by more above."""
+    g = torch.Generator().manual_seed(23)
+    d = shape.head_dim
+    ramp = torch.linspace(0.0, rise / (math.log2(math.e) * math.sqrt(d)), shape.seqlen_k)
+    noise = lambda *size: 0.02 * torch.randn(*size, generator=g)
+    q = (1.0 + noise(shape.batch, shape.seqlen_q, shape.heads_q, d)).to(dtype)
+    k = (ramp[None, :, None, None] + noise(shape.batch, shape.seqlen_k, shape.heads_kv, d)).to(dtype)
+    v = rounded_randn((shape.batch, shape.seqlen_k, shape.heads_kv, d), dtype, g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rise", [40.0, 400.0], ids=["gentle", "sharp"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
+def test_rising_scores(head_dim, rise, causal, dtype):
+    """A max that climbs through every key tile (the case a lagging max and the rounding of the
+    largest weights meet): out, lse and the gradients by the pass rule, and within twice SDPA's error."""
+    shape = Shape(1, 1013, 1013, 2, 2, head_dim)
+    q, k, v = rising_scores(shape, dtype, rise)
+    check_padded(q, k, v, dtype, causal=causal)
+    check_against_sdpa(q, k, v, dtype, causal=causal)
 
 
 # --- streams and CUDA graphs ------------------------------------------------------------------------

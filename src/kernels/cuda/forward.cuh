@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "../common/merge.h"
 #include "../common/sequence.h"
@@ -88,16 +89,27 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
 // accumulators must be multiplied by. Returns whether any of the warp's rows' max moved (when none
 // did, the correction is 1 everywhere: late key tiles, mostly). A row that has seen no key yet
 // keeps max -inf; exponents are then taken against 0 so that exp2(-inf - -inf) never makes a NaN.
-// (A max allowed to lag, to skip more rescales, costs accuracy: the largest weight is then no
-// longer exactly 1 once rounded to T.) Element (mt, nt, i) is as in transform_scores.
+// Element (mt, nt, i) is as in transform_scores.
+//
+// TP (the type P is rounded to for P V; void: none of this): the max lags. It moves only when a
+// row's new max passes the old by more than kMaxLag (log2 units), so that weights reach
+// 2^kMaxLag and the rescale of O is skipped on all but the first tiles. A lagging largest weight
+// is no longer exactly 1, and its rounding to TP would then show in the output of a sharp softmax
+// (the row sum is of unrounded weights): so each thread's largest weight of the tile is added to
+// row_fix as TP rounds it less as it is, and the output is normalised by row_sum + row_fix. The
+// lse takes row_sum alone (bench/NOTES.md h55).
 //
 // kInTurn: each row half's max starts from a -inf that ptxas cannot see through (an FFMA of the
 // last half's first probability by 0), so that it cannot hoist a half's max above the last half's
 // exponents. In the sm_90a forward the first exponent then comes 54 instructions after the wait
 // for S rather than 75, or 108 in other builds of the same loop (bench/NOTES.md h30, h44).
-template <bool kInTurn = false, int kMT, int kNT>
+constexpr float kMaxLag = 8.0f;
+
+template <bool kInTurn = false, typename TP = void, int kMT, int kNT>
 __device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&row_max)[kMT][2],
-                                             float (&row_sum)[kMT][2], float scale, float (&correction)[kMT][2]) {
+                                             float (&row_sum)[kMT][2], float scale, float (&correction)[kMT][2],
+                                             float (*row_fix)[2] = nullptr) {
+  constexpr bool kLag = !std::is_void_v<TP>;
   bool moved = false;
   float start = -INFINITY;  // of each half's max
 #pragma unroll
@@ -107,8 +119,10 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&ro
       float mx = start;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+      const float own = mx;  // this thread's largest score of the row half
       const float old = row_max[mt][half];
       mx = fmaxf(old, quad_max(mx) * scale);
+      if constexpr (kLag) mx = mx > old + kMaxLag ? mx : old;
       const float base = mx == -INFINITY ? 0.0f : mx;
       correction[mt][half] = exp2_ftz(old - base);
       moved |= mx != old;
@@ -121,6 +135,10 @@ __device__ __forceinline__ bool softmax_tile(float (&s)[kMT][kNT][4], float (&ro
           s[mt][nt][i] = exp2_ftz(fmaf(s[mt][nt][i], scale, -base));
           sum += s[mt][nt][i];
         }
+      if constexpr (kLag) {  // the same exponent as that element's above
+        const float top = exp2_ftz(fmaf(own, scale, -base));
+        row_fix[mt][half] = row_fix[mt][half] * correction[mt][half] + (Mma<TP>::round(top) - top);
+      }
       row_sum[mt][half] = row_sum[mt][half] * correction[mt][half] + sum;
       // -inf, or NaN where P is not finite, which fmaxf passes over.
       if constexpr (kInTurn) start = fmaf(s[mt][0][2 * half], 0.0f, -INFINITY);
@@ -181,7 +199,7 @@ template <typename T, int kMT, int kDT>
 __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, const core::Sequence& seq,
                                              int64_t q0, int rows, const float (&o)[kMT][kDT][4],
                                              const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
-                                             int lane, int warp_row0) {
+                                             int lane, int warp_row0, const float (*row_fix)[2] = nullptr) {
   const core::AttentionArgs& a = p.a;
   const int col = (lane % 4) * 2;
 #pragma unroll
@@ -193,7 +211,7 @@ __device__ __forceinline__ void write_output(const Params& p, int64_t b, int h, 
     for (int half = 0; half < 2; ++half) {
       const float sum = quad_sum(row_sum[mt][half]);
       lse[half] = row_lse(row_max[mt][half], sum);
-      inv[half] = row_inverse(sum);
+      inv[half] = row_inverse(row_fix ? sum + quad_sum(row_fix[mt][half]) : sum);
       const int r = warp_row0 + mt * 16 + lane / 4 + half * 8;
       live[half] = r < rows;
       row[half] = seq.row_q + q0 + r;

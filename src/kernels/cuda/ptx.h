@@ -33,6 +33,8 @@ struct Mma<__nv_bfloat16> {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
+  // x as pack rounds it.
+  static __device__ __forceinline__ float round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 };
 
 template <>
@@ -48,6 +50,7 @@ struct Mma<__half> {
     const __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
+  static __device__ __forceinline__ float round(float x) { return __half2float(__float2half_rn(x)); }
 };
 
 // 2^x on the special-function unit, denormal results flushed to 0 (exp2(-inf) = 0). The

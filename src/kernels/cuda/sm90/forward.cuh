@@ -359,7 +359,7 @@ struct Forward {
     const ScoreTransform f = p.score_transform(b, h);
     const bool alibi = p.a.alibi_slopes != nullptr;
     float o[1][kDT][4] = {};
-    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {}, row_fix[1][2] = {};
     auto& o_flat = reinterpret_cast<float(&)[kDT * 4]>(o);
     float s[1][kNT][4];
     auto& s_flat = reinterpret_cast<float(&)[kNT * 4]>(s);
@@ -419,10 +419,10 @@ struct Forward {
       const TileMask tile = tile_mask(i, kBlockM);
       if constexpr (kPlain) {  // the scores stay raw: the scale goes into the exponent
         if (partial) transform_scores<true>(s, f, false, true, tile, warp_row0, tile_lane);
-        return softmax_tile<kHalvesInTurn>(s, row_max, row_sum, p.qk_scale, correction);
+        return softmax_tile<kHalvesInTurn, T>(s, row_max, row_sum, p.qk_scale, correction, row_fix);
       } else {
         transform_scores(s, f, alibi, partial, tile, warp_row0, tile_lane);
-        return softmax_tile<kHalvesInTurn>(s, row_max, row_sum, 1.0f, correction);
+        return softmax_tile<kHalvesInTurn, T>(s, row_max, row_sum, 1.0f, correction, row_fix);
       }
     };
     const auto to_a = [&] {
@@ -555,9 +555,9 @@ struct Forward {
       // The consumer's rows of Q are free once its products are in; with no products of its own
       // (mine == 0), once Q has arrived, so that the copy does not land on the output.
       if (mine == 0 && tiles > 0) mbarrier_wait(&q_full, q_phase);
-      store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, sq, consumer, lane, warp_row0);
+      store_output(p, maps, b, h, seq, q0, o, row_max, row_sum, row_fix, sq, consumer, lane, warp_row0);
     } else {
-      write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0);
+      write_output<T>(p, b, h, seq, q0, rows, o, row_max, row_sum, lane, warp_row0, row_fix);
       if (own_q) named_barrier_sync(kOutStaged + consumer, 128);  // every warp is past its products
       // Persistent, a consumer loads its own rows of Q: with no products of its own it has not
       // waited for them, and its copy must land before the next one goes to the same barrier (a
@@ -572,7 +572,8 @@ struct Forward {
   static __device__ __forceinline__ void store_output(const Params& p, const Maps& maps, int64_t b, int h,
                                                       const core::Sequence& seq, int64_t q0,
                                                       const float (&o)[1][kDT][4], const float (&row_max)[1][2],
-                                                      const float (&row_sum)[1][2], T* sq, int consumer, int lane,
+                                                      const float (&row_sum)[1][2], const float (&row_fix)[1][2],
+                                                      T* sq, int consumer, int lane,
                                                       int warp_row0) {
     const core::AttentionArgs& a = p.a;
     // The rows' lse is computed and written while the copy runs.
@@ -580,7 +581,7 @@ struct Forward {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       sum[half] = quad_sum(row_sum[0][half]);
-      inv[half] = row_inverse(sum[half]);
+      inv[half] = row_inverse(sum[half] + quad_sum(row_fix[0][half]));
     }
     stage_rows<T, kDT>(smem_u32(sq), kBlockM * 128, warp_row0,
                        *reinterpret_cast<const float(*)[kDT * 4]>(&o[0][0][0]), inv, lane);
