@@ -28,9 +28,11 @@ fails.
 """
 
 import dataclasses
+import fcntl
 import math
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -56,6 +58,19 @@ GRAD_NAMES = ("dq", "dk", "dv")
 
 # How attention_support names a head dim that the build leaves out.
 HEAD_DIM_REASON = re.compile(r"head[ _]?dim|hdim", re.IGNORECASE)
+
+# Shared by every process running this file (pytest-xdist's workers).
+GPU_LOCK = os.path.join(tempfile.gettempdir(), "ringflash_test_cuda.lock")
+
+
+@pytest.fixture(autouse=True)
+def gpu_share(request):
+    """The tests share the GPU with each other (pytest-xdist runs several at once), but for those
+    marked exclusive_gpu, which fill its memory: one of them runs alone."""
+    exclusive = request.node.get_closest_marker("exclusive_gpu") is not None
+    with open(GPU_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield  # closing the file lets the lock go
 
 
 def test_devices():
@@ -841,6 +856,7 @@ def free_bytes():
     return torch.cuda.mem_get_info()[0]
 
 
+@pytest.mark.exclusive_gpu
 def test_workspace_memory_given_back():
     """ringflash's pool keeps a call's workspace for the next call; empty_cache() gives it back, and a
     call that does not fit beside what the pool keeps gives it back by itself instead of failing."""
