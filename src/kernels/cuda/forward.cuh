@@ -95,9 +95,9 @@ __device__ __forceinline__ void transform_scores(float (&s)[kMT][kNT][4], const 
 // row's new max passes the old by more than kMaxLag (log2 units), so that weights reach
 // 2^kMaxLag and the rescale of O is skipped on all but the first tiles. A lagging largest weight
 // is no longer exactly 1, and its rounding to TP would then show in the output of a sharp softmax
-// (the row sum is of unrounded weights): so each thread's largest weight of the tile is added to
-// row_fix as TP rounds it less as it is, and the output is normalised by row_sum + row_fix. The
-// lse takes row_sum alone (bench/NOTES.md h55).
+// (the row sum is of unrounded weights): so row_fix adds, for each thread's largest weight of the
+// tile, its value rounded to TP less its fp32 value, and the output is normalised by row_sum +
+// row_fix. The lse takes row_sum alone (bench/NOTES.md h55). row_fix is required with TP.
 //
 // kInTurn: each row half's max starts from a -inf that ptxas cannot see through (an FFMA of the
 // last half's first probability by 0), so that it cannot hoist a half's max above the last half's
