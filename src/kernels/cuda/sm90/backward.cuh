@@ -321,45 +321,31 @@ struct Backward {
       // key and query offsets once, before the loop, and spills them.
       int item_lane = lane;
       asm volatile("" : "+r"(item_lane));
-      // P^T and dS^T as operands A (16 queries, two 8-row atoms, per step) in two halves of the
-      // item's queries: dV += P^T dO of the first half (dO's column blocks kBlockM rows apart) runs
-      // under the second half's element-wise work. The halves are written into registers of their
-      // own, not into S^T's and dP^T's: those are the next item's accumulators, and ptxas
-      // serialises every wgmma of the kernel where other instructions write them while a wgmma
-      // is in flight (C7515).
+      gradients(p, b, h, seq, n0, q0, rows, valid_n, mask, stats[stage], alibi, plain, key0, 0, item_lane, st, dpt);
+
+      // dV += P^T dO, under which dS^T is converted and stored: 16 queries (two 8-row atoms) per
+      // step, dO's column blocks kBlockM rows apart.
       uint32_t pa[kBlockM / 16][4], da[kBlockM / 16][4];
-      const auto half = [&, stage = stage, h = h, q0 = q0, rows = rows](auto index) {
-        constexpr int kSteps = kBlockM / 32, kq0 = decltype(index)::value * kSteps;
-        float pt[8 * kSteps], dst[8 * kSteps];
-#pragma unroll
-        for (int e = 0; e < 8 * kSteps; ++e) pt[e] = st[8 * kq0 + e], dst[e] = dpt[8 * kq0 + e];
-        gradients(p, b, h, seq, n0, q0, rows, valid_n, mask, stats[stage], alibi, plain, key0, 16 * kq0, item_lane,
-                  pt, dst);
-#pragma unroll
-        for (int kq = 0; kq < kSteps; ++kq) {
-          accumulators_to_a<T>(pa[kq0 + kq], reinterpret_cast<const float(&)[4]>(pt[8 * kq]),
-                               reinterpret_cast<const float(&)[4]>(pt[8 * kq + 4]));
-          accumulators_to_a<T>(da[kq0 + kq], reinterpret_cast<const float(&)[4]>(dst[8 * kq]),
-                               reinterpret_cast<const float(&)[4]>(dst[8 * kq + 4]));
-        }
-        // Only this half's registers: the first half's dV products are in flight in the second.
-        if constexpr (kq0 == 0) keep(dv);
-#pragma unroll
-        for (int kq = kq0; kq < kq0 + kSteps; ++kq) keep(pa[kq]);
-        wgmma_fence();
-#pragma unroll
-        for (int kq = kq0; kq < kq0 + kSteps; ++kq)
-          Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], advance(do_mn, kq * 2048), true);
-        wgmma_commit();
-      };
-      half(std::integral_constant<int, 0>());
-      half(std::integral_constant<int, 1>());
-      // dS^T, converted, is stored under dV's products. The last item's reduce-add has read its
-      // dQ part before this item writes it (below, after the barrier of the two consumers).
-      if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq)
+        accumulators_to_a<T>(pa[kq], reinterpret_cast<const float(&)[4]>(st[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(st[8 * kq + 4]));
+      keep(dv);
+      keep(pa);
+      wgmma_fence();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq)
+        Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], advance(do_mn, kq * 2048), true);
+      wgmma_commit();
+      // The last item's reduce-add has read its dQ part before this item writes it (below, after
+      // the barrier of the two consumers).
+      if (elected) bulk_wait_read();
+#pragma unroll
+      for (int kq = 0; kq < kBlockM / 16; ++kq) {
+        accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
+                             reinterpret_cast<const float(&)[4]>(dpt[8 * kq + 4]));
         store_a<STile>(ds_tile + kq / 4 * kBlockN * 64, key0, kq % 4 * 16, da[kq], lane);  // dS^T for dQ
+      }
       fence_proxy_async();
       named_barrier_sync(kDsStored, 256);  // both consumers' dS^T rows are in shared memory
 

@@ -74,15 +74,12 @@ __device__ __forceinline__ void keep(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-template <int N>
-__device__ __forceinline__ void keep(uint32_t (&a)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
 template <int M, int N>
 __device__ __forceinline__ void keep(uint32_t (&a)[M][N]) {
 #pragma unroll
-  for (int i = 0; i < M; ++i) keep(a[i]);
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // wgmma m64nNk16 with fp32 accumulators and T (bf16 or fp16) operands; `accumulate` false
