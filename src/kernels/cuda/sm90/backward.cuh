@@ -183,7 +183,7 @@ struct Backward {
       }
       if constexpr (!kWide) {
         const int warp = tid / 32;
-        if (warp == 1) add_dq(p, maps, b, seq, mask, items, sdq, jobs, lane);
+        if (warp == 1) add_dq(p, maps, b, rank, seq, mask, items, sdq, jobs, lane);
         else if (warp >= 2 && maps.convert_dq) convert_tiles(p, b, seq, jobs, tid - 64);
       }
     } else {
@@ -278,7 +278,7 @@ struct Backward {
 
   // The conversion jobs' ring in shared memory: add_dq puts (q head, query tile) into slot j %
   // kJobs and arrives on full[slot]; convert_tiles' two warps arrive on empty[slot] once they are
-  // done with it. A job of query tile -1 ends the ring.
+  // done with it. A job of query tile -1 ends the ring; q head -1 - h asks for zeros in head h.
   struct Jobs {
     uint64_t* full;
     uint64_t* empty;
@@ -287,37 +287,44 @@ struct Backward {
 
   // The dQ warp (the producer warpgroup's warp 1). Per item it takes each consumer's part of dQ
   // from shared memory to the fp32 accumulator by TMA reduce-adds, and frees the part once they
-  // have read it. With maps.convert_dq it then counts the item's query tile as done for this key
-  // tile (Params::dq_tiles_done) once the reduce-adds are complete: the key tile that completes
-  // the count, the last of those whose query span holds the tile, hands the tile to convert_tiles.
-  static __device__ __forceinline__ void add_dq(const Params& p, const BackwardMaps& maps, int64_t b,
+  // have read it. With maps.convert_dq, once an item's reduce-adds are complete (waited for at the
+  // next item's start, an item later), it counts the item's query tile as done for this key tile
+  // (Params::dq_tiles_done). The key tile that completes the count, the last of those that see
+  // the tile, hands the tile to convert_tiles. Key tile 0 also hands over, as zeros, the query
+  // tiles that see no key, which no block reduce-adds into.
+  static __device__ __forceinline__ void add_dq(const Params& p, const BackwardMaps& maps, int64_t b, int rank,
                                                 const core::Sequence& seq, const core::Mask& mask, const Items& items,
                                                 float* sdq, const Jobs& jobs, int lane) {
     const core::AttentionArgs& a = p.a;
     const int tb = a.cu_seqlens_q ? 0 : static_cast<int>(b);  // the maps' batch coordinate
     int jobs_put = 0;
-    // Counts item `at` done; lane 0 has waited for its reduce-adds.
-    const auto count_done = [&](const typename Items::At& at) {
-      int done = 0;
-      if (lane == 0) {
-        fence_proxy_async_global();
-        __threadfence();
-        done = atomicAdd(p.dq_tiles_done + (b * a.heads_q + at.head) * p.dq_tiles + at.tile, 1) + 1;
-        __threadfence();  // the other key tiles' reduce-adds before the converters' reads
-      }
+    // The key tiles that see query tile `tile`: those whose query_tiles hold it.
+    const auto seen_by = [&](int tile) {
+      const int64_t q0 = tile * int64_t{kBlockM};
+      int64_t n_begin, n_end;
+      key_tiles<kBlockN>(mask, seq, q0, tile_rows(seq.len_q, q0, kBlockM), &n_begin, &n_end);
+      return static_cast<int>(n_end - n_begin);
+    };
+    // Lane 0, the item's reduce-adds complete: the tile's count with this key tile's.
+    const auto count = [&](const typename Items::At& at) {
+      fence_proxy_async_global();
+      __threadfence();
+      return atomicAdd(p.dq_tiles_done + (b * a.heads_q + at.head) * p.dq_tiles + at.tile, 1) + 1;
+    };
+    const auto hand_over = [&](const typename Items::At& at, int done) {
       done = __shfl_sync(~0u, done, 0);
-      // The key tiles whose query span holds this query tile, as the blocks' own query_tiles.
-      int expected = 0;
-      for (int64_t n0 = int64_t{lane} * kBlockN; n0 < seq.len_k; n0 += 32 * kBlockN) {
-        int m_begin, m_end;
-        query_tiles<kBlockM>(mask, seq, n0, tile_rows(seq.len_k, n0, kBlockN), &m_begin, &m_end);
-        expected += m_begin <= at.tile && at.tile < m_end;
+      if (done == seen_by(at.tile)) {
+        if (lane == 0) __threadfence();  // the other key tiles' reduce-adds before the converters' reads
+        put_job(jobs, jobs_put++, make_int2(at.head, at.tile), lane);
       }
-      expected = __reduce_add_sync(~0u, expected);
-      if (done == expected) put_job(jobs, jobs_put++, make_int2(at.head, at.tile), lane);
     };
     typename Items::At last{};
+    int done = 0;
     for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
+      if (maps.convert_dq && i > 0 && lane == 0) {
+        bulk_wait();
+        done = count(last);  // used below, after this item's reduce-adds are issued
+      }
       const int row = static_cast<int>(seq.row_q + at.tile * int64_t{kBlockM});
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
@@ -340,17 +347,27 @@ struct Backward {
         named_barrier_arrive(kDqFree, 128 + 32);
         named_barrier_arrive(kDqFree + 1, 128 + 32);
       }
-      if (maps.convert_dq && i > 0) {
-        if (lane == 0) bulk_wait<1>();  // the last item's reduce-adds are complete
-        count_done(last);
-      }
+      if (maps.convert_dq && i > 0) hand_over(last, done);
       last = at;
     }
     if (lane == 0) bulk_wait();  // the block's shared memory outlives the reduce-adds
-    if (maps.convert_dq) {
-      if (items.count > 0) count_done(last);
-      put_job(jobs, jobs_put, make_int2(0, -1), lane);
+    if (!maps.convert_dq) return;
+    if (items.count > 0) {
+      if (lane == 0) done = count(last);
+      hand_over(last, done);
     }
+    if (rank == 0) {
+      const int tiles = static_cast<int>((seq.len_q + kBlockM - 1) / kBlockM);
+      for (int t0 = 0; t0 < tiles; t0 += 32) {
+        const int t = t0 + lane;
+        for (unsigned unseen = __ballot_sync(~0u, t < tiles && seen_by(t) == 0); unseen != 0; unseen &= unseen - 1) {
+          const int tile = t0 + __ffs(unseen) - 1;
+          for (int h = items.head0; h < items.head0 + p.group; ++h)
+            put_job(jobs, jobs_put++, make_int2(-1 - h, tile), lane);  // zeros
+        }
+      }
+    }
+    put_job(jobs, jobs_put, make_int2(0, -1), lane);
   }
 
   static __device__ __forceinline__ void put_job(const Jobs& jobs, int j, int2 job, int lane) {
@@ -364,7 +381,8 @@ struct Backward {
   }
 
   // The converter warps (the producer warpgroup's warps 2 and 3, threads t = 0..63): each job's
-  // query tile of the fp32 accumulator, for its q head, to dq in T, rows of the sequence only.
+  // query tile of the fp32 accumulator, for its q head, to dq in T (or zeros), rows of the
+  // sequence only.
   static __device__ __forceinline__ void convert_tiles(const Params& p, int64_t b, const core::Sequence& seq,
                                                        const Jobs& jobs, int t) {
     const core::AttentionArgs& a = p.a;
@@ -374,20 +392,24 @@ struct Backward {
       mbarrier_wait(&jobs.full[slot], static_cast<uint32_t>(j / kJobs) & 1u);
       const int2 job = jobs.job[slot];
       if (job.y < 0) return;
+      const bool zeros = job.x < 0;
+      const int h = zeros ? -1 - job.x : job.x;
       const int64_t q0 = job.y * int64_t{kBlockM};
       const int rows = tile_rows(seq.len_q, q0, kBlockM);
       for (int e = t; e < rows * kDT; e += 64) {
         const int64_t row = seq.row_q + q0 + e / kDT;
         const int col = e % kDT * 8;
-        const float* src = p.dq_accum + tb * p.dq_accum_batch_stride + row * p.dq_accum_row_stride +
-                           job.x * p.dq_accum_head_stride + col;
-        const float4 lo = __ldcg(reinterpret_cast<const float4*>(src)), hi = __ldcg(reinterpret_cast<const float4*>(src) + 1);
-        uint4 packed;
-        packed.x = Mma<T>::pack(lo.x, lo.y);
-        packed.y = Mma<T>::pack(lo.z, lo.w);
-        packed.z = Mma<T>::pack(hi.x, hi.y);
-        packed.w = Mma<T>::pack(hi.z, hi.w);
-        *reinterpret_cast<uint4*>(row_ptr<T>(a.dq, tb, row, job.x) + col) = packed;
+        uint4 packed{};
+        if (!zeros) {
+          const float4* src = reinterpret_cast<const float4*>(p.dq_accum + tb * p.dq_accum_batch_stride +
+                                                              row * p.dq_accum_row_stride + h * p.dq_accum_head_stride + col);
+          const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
+          packed.x = Mma<T>::pack(lo.x, lo.y);
+          packed.y = Mma<T>::pack(lo.z, lo.w);
+          packed.z = Mma<T>::pack(hi.x, hi.y);
+          packed.w = Mma<T>::pack(hi.z, hi.w);
+        }
+        *reinterpret_cast<uint4*>(row_ptr<T>(a.dq, tb, row, h) + col) = packed;
       }
       __syncwarp();
       if (t % 32 == 0) mbarrier_arrive(&jobs.empty[slot]);

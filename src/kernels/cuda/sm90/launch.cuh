@@ -184,8 +184,9 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
-  // Below head dim 256 the kernel converts dQ's accumulator to dq tile by tile, where it has one.
-  const bool convert = !B::kWide && p.dq_tiles_done != nullptr;
+  // Below head dim 256 the kernel converts dQ's accumulator to dq tile by tile, where it has one and
+  // there are keys (with none, no block runs; the conversion pass writes the zeros).
+  const bool convert = !B::kWide && p.dq_tiles_done != nullptr && p.max_rows_k > 0;
   const auto main = [&] {
     const core::AttentionArgs& a = p.a;
     // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
