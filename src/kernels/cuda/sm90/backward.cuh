@@ -150,10 +150,11 @@ struct Backward {
         mbarrier_init(&full[s], 1);
         mbarrier_init(&empty[s], kConsumerWarps);
       }
-      for (int s = 0; s < kJobs; ++s) {
-        mbarrier_init(&jobs.full[s], 1);
-        mbarrier_init(&jobs.empty[s], 2);  // the two converter warps
-      }
+      if (!kWide && maps.convert_dq)
+        for (int s = 0; s < kJobs; ++s) {
+          mbarrier_init(&jobs.full[s], 1);
+          mbarrier_init(&jobs.empty[s], 2);  // the two converter warps
+        }
       fence_barrier_init();
     }
     __syncthreads();
