@@ -278,11 +278,7 @@ void attention_backward(const AttentionArgs& args) {
       ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic && !k.backward_writes_dq;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
-  // The accumulator's tile counts follow it (ints, the size of a float), zeroed with it; not for
-  // packed batches, which keep the conversion pass.
-  const int64_t dq_tiles = (p.max_rows_q + 63) / 64;
-  const int64_t count_elements = dq_buffer && !packed ? args.batch * args.heads_q * dq_tiles : 0;
-  const size_t workspace_bytes = (2 * stat_elements + dq_elements + count_elements) * sizeof(float);
+  const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
   const Scratch workspace(device, workspace_bytes, args.stream);
   p.dsum = static_cast<float*>(workspace.data);
   p.lse2 = p.dsum + stat_elements;
@@ -293,18 +289,13 @@ void attention_backward(const AttentionArgs& args) {
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;
     p.dq_accum_row_stride = args.heads_q * args.head_dim;
     p.dq_accum_head_stride = args.head_dim;
-    if (count_elements > 0) {
-      p.dq_tiles_done = reinterpret_cast<int*>(p.dq_accum + dq_elements);
-      p.dq_tiles = dq_tiles;
-    }
   } else if (p.dq_in_place()) {
     p.dq_accum = static_cast<float*>(args.dq.data);
     p.dq_accum_batch_stride = args.dq.batch_stride;
     p.dq_accum_row_stride = args.dq.row_stride;
     p.dq_accum_head_stride = args.dq.head_stride;
   }
-  if (dq_buffer)
-    RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, (dq_elements + count_elements) * sizeof(float), stream));
+  if (dq_buffer) RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
   k.backward(p, total_rows, stream);
 }
 

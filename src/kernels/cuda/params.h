@@ -118,12 +118,6 @@ struct Params {
   float* dsum = nullptr;
   float* lse2 = nullptr;
   int64_t stat_batch_stride = 0, stat_head_stride = 0;
-  // With the workspace's accumulator and no packed batch: per (sequence, q head, query tile of 64
-  // rows; dq_tiles per sequence and head) a count of the key tiles whose reduce-adds into the tile
-  // are complete, zeroed with the accumulator. The sm_90a backward converts a tile to dq once its
-  // count is complete, instead of the conversion pass.
-  int* dq_tiles_done = nullptr;
-  int64_t dq_tiles = 0;
 
   __host__ __device__ core::Mask mask() const { return {a.window_left, a.window_right}; }
   __device__ ScoreTransform score_transform(int64_t b, int64_t h) const {

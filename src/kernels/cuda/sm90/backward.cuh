@@ -54,9 +54,6 @@ struct BackwardMaps {
   // 256).
   CUtensorMap dk, dv;
   bool store_grads;
-  // dQ's tiles are converted to dq in this kernel (Params::dq_tiles_done), not by the conversion
-  // pass.
-  bool convert_dq;
 };
 
 template <typename T, int kHeadDim>
@@ -101,9 +98,7 @@ struct Backward {
   // needs, so no room is kept to align it (three stages at head dim 128 fit only so).
   static constexpr int kTileBytes = 2 * kKBytes + 2 * kStages * kQBytes + 2 * kSBytes + 2 * kDqBytes;
   static constexpr int kStatsBytes = kStages * 2 * kStatSlot * 4;
-  // The ring of conversion jobs (convert_tiles): a full and an empty barrier and a job per slot.
-  static constexpr int kJobs = 4;
-  static constexpr int kSmemBytes = kTileBytes + kStatsBytes + (1 + 2 * kStages + 3 * kJobs) * 8;
+  static constexpr int kSmemBytes = kTileBytes + kStatsBytes + (1 + 2 * kStages) * 8;
   static_assert(kTileBytes % 1024 == 0, "the tiles end on a 1024-byte boundary, where the statistics' TMA copies land");
   static constexpr int kDT = kHeadDim / 8;
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "whole column blocks");
@@ -125,8 +120,6 @@ struct Backward {
     uint64_t& kv_full = barriers[0];
     auto& full = *reinterpret_cast<uint64_t(*)[kStages]>(barriers + 1);
     auto& empty = *reinterpret_cast<uint64_t(*)[kStages]>(barriers + 1 + kStages);
-    const Jobs jobs{barriers + 1 + 2 * kStages, barriers + 1 + 2 * kStages + kJobs,
-                    reinterpret_cast<int2*>(barriers + 1 + 2 * kStages + 2 * kJobs)};
 
     const core::AttentionArgs& a = p.a;
     const int64_t b = blockIdx.y;
@@ -150,11 +143,6 @@ struct Backward {
         mbarrier_init(&full[s], 1);
         mbarrier_init(&empty[s], kConsumerWarps);
       }
-      if (!kWide && maps.convert_dq)
-        for (int s = 0; s < kJobs; ++s) {
-          mbarrier_init(&jobs.full[s], 1);
-          mbarrier_init(&jobs.empty[s], 2);  // the two converter warps
-        }
       fence_barrier_init();
     }
     __syncthreads();
@@ -181,11 +169,6 @@ struct Backward {
           tma_load_2d(stats[stage][0], &maps.lse2, &full[stage], stat_row, stat_column);
           tma_load_2d(stats[stage][1], &maps.dsum, &full[stage], stat_row, stat_column);
         }
-      }
-      if constexpr (!kWide) {
-        const int warp = tid / 32;
-        if (warp == 1) add_dq(p, maps, b, rank, seq, mask, items, sdq, jobs, lane);
-        else if (warp >= 2 && maps.convert_dq) convert_tiles(p, b, seq, jobs, tid - 64);
       }
     } else {
       setmaxnreg_inc<kConsumerRegs>();
@@ -277,146 +260,6 @@ struct Backward {
     });
   }
 
-  // The conversion jobs' ring in shared memory: add_dq puts (q head, query tile) into slot j %
-  // kJobs and arrives on full[slot]; convert_tiles' two warps arrive on empty[slot] once they are
-  // done with it. A job of query tile -1 ends the ring; q head -1 - h asks for zeros in head h.
-  struct Jobs {
-    uint64_t* full;
-    uint64_t* empty;
-    int2* job;
-  };
-
-  // The dQ warp (the producer warpgroup's warp 1). Per item it takes each consumer's part of dQ
-  // from shared memory to the fp32 accumulator by TMA reduce-adds, and frees the part once they
-  // have read it. With maps.convert_dq, once an item's reduce-adds are complete (waited for at the
-  // next item's start, an item later), it counts the item's query tile as done for this key tile
-  // (Params::dq_tiles_done). The key tile that completes the count, the last of those that see
-  // the tile, hands the tile to convert_tiles. Key tile 0 also hands over, as zeros, the query
-  // tiles that see no key, which no block reduce-adds into.
-  static __device__ __forceinline__ void add_dq(const Params& p, const BackwardMaps& maps, int64_t b, int rank,
-                                                const core::Sequence& seq, const core::Mask& mask, const Items& items,
-                                                float* sdq, const Jobs& jobs, int lane) {
-    const core::AttentionArgs& a = p.a;
-    const int tb = a.cu_seqlens_q ? 0 : static_cast<int>(b);  // the maps' batch coordinate
-    int jobs_put = 0;
-    // The key tiles that see query tile `tile`: those whose query_tiles hold it.
-    const auto seen_by = [&](int tile) {
-      const int64_t q0 = tile * int64_t{kBlockM};
-      int64_t n_begin, n_end;
-      key_tiles<kBlockN>(mask, seq, q0, tile_rows(seq.len_q, q0, kBlockM), &n_begin, &n_end);
-      return static_cast<int>(n_end - n_begin);
-    };
-    // Lane 0, the item's reduce-adds complete: the tile's count with this key tile's.
-    const auto count = [&](const typename Items::At& at) {
-      fence_proxy_async_global();
-      __threadfence();
-      return atomicAdd(p.dq_tiles_done + (b * a.heads_q + at.head) * p.dq_tiles + at.tile, 1) + 1;
-    };
-    const auto hand_over = [&](const typename Items::At& at, int done) {
-      done = __shfl_sync(~0u, done, 0);
-      if (done == seen_by(at.tile)) {
-        if (lane == 0) __threadfence();  // the other key tiles' reduce-adds before the converters' reads
-        put_job(jobs, jobs_put++, make_int2(at.head, at.tile), lane);
-      }
-    };
-    typename Items::At last{};
-    int done = 0;
-    for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
-      if (maps.convert_dq && i > 0 && lane == 0) {
-        bulk_wait();
-        done = count(last);  // used below, after this item's reduce-adds are issued
-      }
-      const int row = static_cast<int>(seq.row_q + at.tile * int64_t{kBlockM});
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        named_barrier_sync(kDqStored + c, 128 + 32);  // consumer c's part is in shared memory
-        if (lane == 0) {
-          // The part's first row and column in the item's dQ (see consume).
-          const int row0 = kHeadDim == 64 ? c * 64 : 0, col0 = kHeadDim == 128 ? c * 64 : 0;
-          const float* part = sdq + c * kDq * kDq;
-#pragma unroll
-          for (int cb = 0; cb < kDq / 32; ++cb)
-            tma_reduce_add_4d(&maps.dq, part + cb * kDq * 32, col0 + cb * 32, at.head, row + row0, tb);
-        }
-      }
-      if (lane == 0) {
-        bulk_commit();
-        bulk_wait_read();
-      }
-      __syncwarp();
-      if (i + 1 < items.count) {
-        named_barrier_arrive(kDqFree, 128 + 32);
-        named_barrier_arrive(kDqFree + 1, 128 + 32);
-      }
-      if (maps.convert_dq && i > 0) hand_over(last, done);
-      last = at;
-    }
-    if (lane == 0) bulk_wait();  // the block's shared memory outlives the reduce-adds
-    if (!maps.convert_dq) return;
-    if (items.count > 0) {
-      if (lane == 0) done = count(last);
-      hand_over(last, done);
-    }
-    if (rank == 0) {
-      const int tiles = static_cast<int>((seq.len_q + kBlockM - 1) / kBlockM);
-      for (int t0 = 0; t0 < tiles; t0 += 32) {
-        const int t = t0 + lane;
-        for (unsigned unseen = __ballot_sync(~0u, t < tiles && seen_by(t) == 0); unseen != 0; unseen &= unseen - 1) {
-          const int tile = t0 + __ffs(unseen) - 1;
-          for (int h = items.head0; h < items.head0 + p.group; ++h)
-            put_job(jobs, jobs_put++, make_int2(-1 - h, tile), lane);  // zeros
-        }
-      }
-    }
-    put_job(jobs, jobs_put, make_int2(0, -1), lane);
-  }
-
-  static __device__ __forceinline__ void put_job(const Jobs& jobs, int j, int2 job, int lane) {
-    if (lane == 0) {
-      const int slot = j % kJobs;
-      if (j >= kJobs) mbarrier_wait(&jobs.empty[slot], static_cast<uint32_t>(j / kJobs - 1) & 1u);
-      jobs.job[slot] = job;
-      mbarrier_arrive(&jobs.full[slot]);
-    }
-    __syncwarp();
-  }
-
-  // The converter warps (the producer warpgroup's warps 2 and 3, threads t = 0..63): each job's
-  // query tile of the fp32 accumulator, for its q head, to dq in T (or zeros), rows of the
-  // sequence only.
-  static __device__ __forceinline__ void convert_tiles(const Params& p, int64_t b, const core::Sequence& seq,
-                                                       const Jobs& jobs, int t) {
-    const core::AttentionArgs& a = p.a;
-    const int64_t tb = a.cu_seqlens_q ? 0 : b;
-    for (int j = 0;; ++j) {
-      const int slot = j % kJobs;
-      mbarrier_wait(&jobs.full[slot], static_cast<uint32_t>(j / kJobs) & 1u);
-      const int2 job = jobs.job[slot];
-      if (job.y < 0) return;
-      const bool zeros = job.x < 0;
-      const int h = zeros ? -1 - job.x : job.x;
-      const int64_t q0 = job.y * int64_t{kBlockM};
-      const int rows = tile_rows(seq.len_q, q0, kBlockM);
-      for (int e = t; e < rows * kDT; e += 64) {
-        const int64_t row = seq.row_q + q0 + e / kDT;
-        const int col = e % kDT * 8;
-        uint4 packed{};
-        if (!zeros) {
-          const float4* src = reinterpret_cast<const float4*>(p.dq_accum + tb * p.dq_accum_batch_stride +
-                                                              row * p.dq_accum_row_stride + h * p.dq_accum_head_stride + col);
-          const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
-          packed.x = Mma<T>::pack(lo.x, lo.y);
-          packed.y = Mma<T>::pack(lo.z, lo.w);
-          packed.z = Mma<T>::pack(hi.x, hi.y);
-          packed.w = Mma<T>::pack(hi.z, hi.w);
-        }
-        *reinterpret_cast<uint4*>(row_ptr<T>(a.dq, tb, row, h) + col) = packed;
-      }
-      __syncwarp();
-      if (t % 32 == 0) mbarrier_arrive(&jobs.empty[slot]);
-    }
-  }
-
   static __device__ __forceinline__ void consume(const Params& p, const BackwardMaps& maps, int64_t b, int hk,
                                                  const core::Sequence& seq, int64_t n0, int valid_n,
                                                  const core::Mask& mask, const Items& items, T* sk, T* sv, T* sq,
@@ -430,7 +273,7 @@ struct Backward {
     float dk[kDT * 4] = {}, dv[kDT * 4] = {};
     float st[kBlockM / 2], dpt[kBlockM / 2];  // S^T, dP^T: 64 keys x kBlockM queries
     float dq[kDq / 2];                        // this consumer's part of dQ
-    const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's stores of dK and dV
+    const bool elected = threadIdx.x % 128 == 0;  // issues this consumer's reduce-adds
     // The dQ part's first row and column in the item's dQ.
     const int dq_row0 = kHeadDim == 64 ? consumer * 64 : 0;
     const int dq_col0 = kHeadDim == 128 ? consumer * 64 : 0;
@@ -494,6 +337,9 @@ struct Backward {
       for (int kq = 0; kq < kBlockM / 16; ++kq)
         Wgmma<T, kHeadDim>::template rs<1>(dv, pa[kq], advance(do_mn, kq * 2048), true);
       wgmma_commit();
+      // The last item's reduce-add has read its dQ part before this item writes it (below, after
+      // the barrier of the two consumers).
+      if (elected) bulk_wait_read();
 #pragma unroll
       for (int kq = 0; kq < kBlockM / 16; ++kq) {
         accumulators_to_a<T>(da[kq], reinterpret_cast<const float(&)[4]>(dpt[8 * kq]),
@@ -532,14 +378,18 @@ struct Backward {
       keep(dv);
       keep(pa);
 
-      // The dQ warp (add_dq) has read the last item's part before this one is written, and
-      // reduce-adds this one once it is in shared memory.
-      if (i > 0) named_barrier_sync(kDqFree + consumer, 128 + 32);
       store_dq(smem_u32(sdq), dq, p.softmax_scale, warp, item_lane);
       fence_proxy_async();
       items.next(at);
       if (kPipelined && i + 1 < items.count) issue_s(i + 1, at);
-      named_barrier_arrive(kDqStored + consumer, 128 + 32);
+      named_barrier_sync(kDqStored + consumer, 128);  // the dQ part is in shared memory
+      if (elected) {
+#pragma unroll
+        for (int cb = 0; cb < kDq / 32; ++cb)
+          tma_reduce_add_4d(&maps.dq, sdq + cb * kDq * 32, dq_col0 + cb * 32, h,
+                            static_cast<int>(seq.row_q + q0 + dq_row0), packed ? 0 : static_cast<int>(b));
+        bulk_commit();
+      }
       wgmma_wait<0>();  // dK (and the next item's S^T)
       keep(dk);
       keep(st);
@@ -549,7 +399,7 @@ struct Backward {
     if (maps.store_grads && valid_n == kBlockN) {
       // dV into this consumer's rows of V (only its own dP^T products read them), dK into a tile of
       // the stage the last item left (both consumers are past its products): consumer 0 takes its
-      // Q tile, consumer 1 its dO tile.
+      // Q tile, consumer 1 its dO tile. Neither waits for the last reduce-add.
       T* sdk = (consumer == 0 ? sq : sdo) + items.count % kStages * kBlockM * kHeadDim;
       T* sdv = sv + consumer * 64 * 64;
       constexpr int kDkBlock = kBlockM * 64, kDvBlock = kBlockN * 64;  // column blocks apart, elements
@@ -566,10 +416,11 @@ struct Backward {
           tma_store_4d(&maps.dv, sdv + c * kDvBlock, c * 64, hk, row, tb);
         }
         bulk_commit();
-        bulk_wait_read();  // the block's shared memory outlives the reads of these copies
+        bulk_wait_read();  // the block's shared memory outlives the reads of these copies and the reduce-adds
       }
       return;
     }
+    if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
     write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
   }
 

@@ -155,8 +155,7 @@ __device__ __forceinline__ void stage_rows(uint32_t tile, int block_bytes, int r
 // consumer c's turn to issue.
 // kOutStaged + c: consumer c (forward or backward) has put its rows of the output in shared
 // memory, or (forward, persistent) every warp of it is past its products.
-// kDqFree + c: the backward's dQ warp has read consumer c's part of dQ.
-enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5, kOutStaged = 8, kDqFree = 12 };
+enum NamedBarrier : int { kZeroed = 1, kDsStored = 2, kDqStored = 3, kTurn = 5, kOutStaged = 8 };
 
 // kPlain: plain scores (no softcap, no ALiBi, a positive scale), which need only the mask; the
 // others take their own instance, so that the plain kernel carries none of their code.

@@ -184,9 +184,6 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
-  // Below head dim 256 the kernel converts dQ's accumulator to dq tile by tile, where it has one and
-  // there are keys (with none, no block runs; the conversion pass writes the zeros).
-  const bool convert = !B::kWide && p.dq_tiles_done != nullptr && p.max_rows_k > 0;
   const auto main = [&] {
     const core::AttentionArgs& a = p.a;
     // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
@@ -207,8 +204,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
                         B::kWide ? CUtensorMap{} : dq_map(p, batch, B::kDq),
                         {},
                         {},
-                        !a.accumulate && !B::kWide,
-                        convert};
+                        !a.accumulate && !B::kWide};
       // Whole key tiles' dK and dV go out through shared memory by TMA (a consumer's 64 keys as
       // one box), partial ones and fp32 accumulators from registers. attention_backward holds dk
       // and dv to q's alignment rule.
@@ -221,7 +217,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
     }
     if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
   };
-  backward_passes<T, kHeadDim>(p, total_rows, stream, main, B::kWide || convert);
+  backward_passes<T, kHeadDim>(p, total_rows, stream, main, B::kWide);
 }
 
 }  // namespace ringflash::cuda::sm90

@@ -168,11 +168,6 @@ __device__ __forceinline__ void fence_barrier_init() {
 // Generic-proxy writes to shared memory (ordinary stores, stmatrix) before the async proxy (wgmma,
 // TMA) reads them; each writing thread, before the block barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Orders the async proxy's completed writes to global memory (bulk copies, reduce-adds) before this
-// thread's later generic accesses, such as the atomic that tells other blocks of them.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
 
 // One arrival that also expects `bytes` more to land by transaction (the TMA loads of a stage).
 __device__ __forceinline__ void mbarrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
@@ -242,10 +237,7 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // Waits until the committed bulk groups have read their shared-memory sources.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Waits until the committed bulk groups are complete.
-template <int kPending = 0>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Stores x, y at shared-memory address `smem` (8-byte aligned).
 __device__ __forceinline__ void st_shared_v2(uint32_t smem, float x, float y) {
