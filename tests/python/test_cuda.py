@@ -5,7 +5,7 @@ In fp16 and bf16 and head dims 64, 128 and 256 (and the odd head dims of the sha
 out, lse and every gradient are held to the pass rule of reference.py (DESIGN.md) over:
 
 * the awkward shapes: lengths 1, 17 and 1013 (4097 in a few cases of its own), Sq != Sk both ways,
-  GQA ratios 1, 4 and H; causal and not;
+  GQA ratios 1, 4 and H; causal and not; a backward of more blocks than the GPU holds at once;
 * every option of test_attention.py and test_varlen.py (softmax scale; sliding windows left, right,
   both, zero and forward-reaching; softcap; ALiBi per head and per batch), also at lengths that span
   many tiles, where rows that see no key sit between rows that do;
@@ -208,6 +208,25 @@ GQA_SHAPES = [Shape(2, 129, 257, 8, heads_kv, d) for d in HEAD_DIMS for heads_kv
 def test_gqa(shape, causal, dtype):
     q, k, v = make_qkv(shape, dtype, seed=2)
     check_padded(q, k, v, dtype, causal=causal)
+
+
+# More blocks of the backward kernel than an H100 or H200 holds at once (256 of 132), so that dQ's
+# conversion, which starts on a head once all of the kernel's blocks of it are done, runs beside
+# blocks of later heads still running or not yet started. Padded and packed; GQA 2.
+WAVES_LENGTHS = [256] * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_backward_in_waves(layout, head_dim, causal, dtype):
+    if layout == "padded":
+        q, k, v = make_qkv(Shape(len(WAVES_LENGTHS), 256, 256, 32, 16, head_dim), dtype, seed=9)
+        check_padded(q, k, v, dtype, causal=causal)
+    else:
+        q, k, v, cu_q, cu_k = make_packed(WAVES_LENGTHS, WAVES_LENGTHS, 32, 16, head_dim, dtype, seed=9)
+        check_packed(q, k, v, cu_q, cu_k, WAVES_LENGTHS, WAVES_LENGTHS, dtype, causal=causal)
 
 
 # test_attention.py's options on its shapes (Sq < Sk and Sq > Sk, GQA 2), at every CUDA head dim.

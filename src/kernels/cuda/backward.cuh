@@ -111,26 +111,47 @@ __global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
   }
 }
 
+// Rows of dq's fp32 accumulator per block of the conversion pass.
+constexpr int kConvertRows = 64;
+
+// dq from its fp32 accumulator: a block per kConvertRows rows, in the order (sequence, q head,
+// rows); a packed batch is one sequence of rows_q rows. With `done` (Params::dq_done), the pass
+// overlaps the end of the Hopper backward kernel (launch_convert_dq): each block first waits until
+// the count of its sequence and k/v head is `expected`, and block 0 ends only once that kernel
+// has, so that the pass is done only when the kernel's dK and dV are in too.
 template <typename T, int kHeadDim>
-__global__ void convert_dq_kernel(const Params p, int64_t total_rows) {
+__global__ void convert_dq_kernel(const Params p, const int* done, int expected) {
   const core::AttentionArgs& a = p.a;
+  const int64_t chunks = (a.rows_q + kConvertRows - 1) / kConvertRows, block = blockIdx.x;
+  const int64_t chunk = block % chunks, h = block / chunks % a.heads_q, s = block / chunks / a.heads_q;
+  if (done) {
+    if (threadIdx.x == 0) {
+      const int* count = done + s * a.heads_kv + h / p.group;
+      for (int seen = 0;; __nanosleep(256)) {
+        asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(count) : "memory");
+        if (seen >= expected) break;
+      }
+    }
+    __syncthreads();
+  }
   constexpr int kVec = 8;
-  const int64_t vecs = a.head_dim / kVec;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= total_rows * a.heads_q * vecs) return;
-  const int64_t d = i % vecs * kVec, rh = i / vecs;
-  const int64_t r = rh / a.heads_q, h = rh % a.heads_q;
-  const int64_t b = r / a.rows_q, row = r % a.rows_q;
-  const float* src = p.dq_accum + b * p.dq_accum_batch_stride + row * p.dq_accum_row_stride +
-                     h * p.dq_accum_head_stride + d;
-  T* dst = row_ptr<T>(a.dq, b, row, h) + d;
-  const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-  uint4 packed;
-  packed.x = Mma<T>::pack(lo.x, lo.y);
-  packed.y = Mma<T>::pack(lo.z, lo.w);
-  packed.z = Mma<T>::pack(hi.x, hi.y);
-  packed.w = Mma<T>::pack(hi.z, hi.w);
-  *reinterpret_cast<uint4*>(dst) = packed;
+  const int64_t vecs = a.head_dim / kVec, row0 = chunk * kConvertRows;
+  const int64_t n = (a.rows_q - row0 < kConvertRows ? a.rows_q - row0 : kConvertRows) * vecs;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t row = row0 + i / vecs, d = i % vecs * kVec;
+    const float* src = p.dq_accum + s * p.dq_accum_batch_stride + row * p.dq_accum_row_stride +
+                       h * p.dq_accum_head_stride + d;
+    const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+    uint4 packed;
+    packed.x = Mma<T>::pack(lo.x, lo.y);
+    packed.y = Mma<T>::pack(lo.z, lo.w);
+    packed.z = Mma<T>::pack(hi.x, hi.y);
+    packed.w = Mma<T>::pack(hi.z, hi.w);
+    *reinterpret_cast<uint4*>(row_ptr<T>(a.dq, s, row, h) + d) = packed;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (done && block == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // Rows of a packed tensor outside [cu_seqlens[0], cu_seqlens[B]) belong to no sequence and no

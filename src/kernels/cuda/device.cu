@@ -278,7 +278,9 @@ void attention_backward(const AttentionArgs& args) {
       ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic && !k.backward_writes_dq;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
-  const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float);
+  // dq_done's counters after the accumulator (both zeroed by one memset).
+  const int64_t done_counts = dq_buffer ? (packed ? 1 : args.batch) * args.heads_kv : 0;
+  const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float) + done_counts * sizeof(int);
   const Scratch workspace(device, workspace_bytes, args.stream);
   p.dsum = static_cast<float*>(workspace.data);
   p.lse2 = p.dsum + stat_elements;
@@ -289,13 +291,17 @@ void attention_backward(const AttentionArgs& args) {
     p.dq_accum_batch_stride = packed ? 0 : args.rows_q * args.heads_q * args.head_dim;
     p.dq_accum_row_stride = args.heads_q * args.head_dim;
     p.dq_accum_head_stride = args.head_dim;
+    p.dq_done = reinterpret_cast<int*>(p.dq_accum + dq_elements);
   } else if (p.dq_in_place()) {
     p.dq_accum = static_cast<float*>(args.dq.data);
     p.dq_accum_batch_stride = args.dq.batch_stride;
     p.dq_accum_row_stride = args.dq.row_stride;
     p.dq_accum_head_stride = args.dq.head_stride;
   }
-  if (dq_buffer) RINGFLASH_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float), stream));
+  if (dq_buffer) {
+    RINGFLASH_CUDA_CHECK(
+        cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float) + done_counts * sizeof(int), stream));
+  }
   k.backward(p, total_rows, stream);
 }
 

@@ -79,9 +79,35 @@ void run_forward(const Params& p, cudaStream_t stream) {
   clear_unused_output_rows<T>(p.a, stream);
 }
 
+// The conversion of dq's fp32 accumulator. After a kernel that counts its blocks in p.dq_done
+// (`expected` per sequence and k/v head once all are in; 0: it counts none), it is launched with
+// programmatic stream serialization: its blocks start on the SMs that the kernel's last blocks
+// leave idle, each once its head is done, instead of after the kernel's end.
+template <typename T, int kHeadDim>
+void launch_convert_dq(const Params& p, int expected, cudaStream_t stream) {
+  const core::AttentionArgs& a = p.a;
+  const int64_t blocks = blocks_for(a.rows_q, kConvertRows) * a.heads_q * (a.cu_seqlens_q ? 1 : a.batch);
+  RINGFLASH_CHECK(blocks <= INT32_MAX, NotSupported, "[cuda] dQ's conversion takes at most ", INT32_MAX,
+                  " blocks of ", kConvertRows, " rows per head; got ", blocks);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(256);
+  config.stream = stream;
+  cudaLaunchAttribute overlap{};
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  if (expected > 0) {
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+  }
+  const int* done = expected > 0 ? p.dq_done : nullptr;
+  RINGFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, convert_dq_kernel<T, kHeadDim>, p, done, expected));
+}
+
 // The passes around a backward kernel: dsum and lse2 first, then main() (the kernel that computes
-// dK, dV and dQ's fp32 accumulator, or, when main_writes_dq, dQ itself), then dQ (the
-// deterministic pass, or the conversion of the accumulator) and the rows of no sequence.
+// dK, dV and dQ's fp32 accumulator, or, when main_writes_dq, dQ itself; it returns what it counts
+// per head in p.dq_done, or 0), then dQ (the deterministic pass, or the conversion of the
+// accumulator) and the rows of no sequence.
 template <typename T, int kHeadDim, typename Main>
 void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, Main&& main,
                      bool main_writes_dq = false) {
@@ -95,7 +121,7 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 
-  main();
+  const int counted = main();
 
   if (row_heads > 0 && main_writes_dq) {
     clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);  // as below
@@ -108,9 +134,7 @@ void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, M
     // The conversion pass writes every row; this one only the rows of a sequence.
     clear_unused_rows<T>(a, a.dq, nullptr, a.cu_seqlens_q, a.rows_q, a.heads_q, stream);
   } else if (row_heads > 0 && !p.dq_in_place()) {
-    convert_dq_kernel<T, kHeadDim><<<blocks_for(row_heads * (a.head_dim / 8), kThreads), kThreads, 0, stream>>>(
-        p, total_rows);
-    RINGFLASH_CUDA_CHECK(cudaGetLastError());
+    launch_convert_dq<T, kHeadDim>(p, counted, stream);
   }
   // dK and dV are written too in accumulate mode with overwrite_dkdv, in fp32.
   for (const core::AttentionArgs::Operand* o : {&a.dk, &a.dv}) {
@@ -126,10 +150,11 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   backward_passes<T, kHeadDim>(p, total_rows, stream, [&] {
     const dim3 grid(blocks_for(p.max_rows_k, B::kBlockN) * B::kTiles.dim_parts, static_cast<unsigned>(p.a.heads_kv),
                     static_cast<unsigned>(p.a.batch));
-    if (grid.x == 0) return;
+    if (grid.x == 0) return 0;
     allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "backward", kHeadDim);
     backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
+    return 0;
   });
 }
 

@@ -126,9 +126,13 @@ struct Backward {
     int hk, rank;
     order.item(blockIdx.x, &hk, &rank);
     const core::Sequence seq = core::sequence(a, b);
+    launch_dependents();  // dQ's conversion (launch_convert_dq)
     // Rank 0 is the first key tile: under a causal mask every query sees it.
     const int64_t n0 = static_cast<int64_t>(rank) * kBlockN;
-    if (n0 >= seq.len_k) return;
+    if (n0 >= seq.len_k) {
+      if (threadIdx.x == 0 && p.dq_done) count_done(dq_done(p, b, hk), 2);  // for both consumers
+      return;
+    }
     const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
     const core::Mask mask = p.mask();
     int m_begin, m_end;
@@ -179,6 +183,11 @@ struct Backward {
         consume(p, maps, b, hk, seq, n0, valid_n, mask, items, sk, sv, sq, sdo, sds, sdq + (group - 1) * kDq * kDq,
                 stats, kv_full, full, empty, group - 1, lane);
     }
+  }
+
+  // The count of the block's sequence and k/v head in p.dq_done (run_backward).
+  static __device__ __forceinline__ int* dq_done(const Params& p, int64_t b, int hk) {
+    return p.dq_done + (p.a.cu_seqlens_q ? 0 : b) * p.a.heads_kv + hk;
   }
 
   struct Items {
@@ -416,11 +425,18 @@ struct Backward {
           tma_store_4d(&maps.dv, sdv + c * kDvBlock, c * 64, hk, row, tb);
         }
         bulk_commit();
+        if (p.dq_done) {
+          bulk_wait_all_but_last();  // the reduce-adds, not these stores
+          count_done(dq_done(p, b, hk), 1);
+        }
         bulk_wait_read();  // the block's shared memory outlives the reads of these copies and the reduce-adds
       }
       return;
     }
-    if (elected) bulk_wait();  // the reduce-adds are done before the block's shared memory goes
+    if (elected) {
+      bulk_wait();  // the reduce-adds are done before the block's shared memory goes
+      if (p.dq_done) count_done(dq_done(p, b, hk), 1);
+    }
     write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
   }
 

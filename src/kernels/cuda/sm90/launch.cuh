@@ -181,17 +181,20 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
 }
 
 // At head dim 256 (kWide) the backward kernel computes dK and dV, and the dQ kernel writes dQ.
+// Below it, with an accumulator from the workspace, each consumer of a block counts itself in
+// p.dq_done once its part of dQ is in: two per block, `tiles` blocks per sequence and k/v head.
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
-  const auto main = [&] {
+  const auto main = [&]() -> int {
     const core::AttentionArgs& a = p.a;
     // A k/v head's blocks read q and dout of its group and, below head dim 256, add into its fp32 dq.
     dim3 grid;
-    const int64_t dq_bytes = B::kWide ? 0 : 4;
+    const int64_t dq_bytes = B::kWide ? 0 : 4, tiles = blocks_for(p.max_rows_k, B::kBlockN);
     const core::TileOrder order =
-        tile_order(p, a.heads_kv, blocks_for(p.max_rows_k, B::kBlockN), 1,
-                   p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + dq_bytes), "backward", &grid);
+        tile_order(p, a.heads_kv, tiles, 1, p.group * p.max_rows_q * kHeadDim * (2 * int64_t{sizeof(T)} + dq_bytes),
+                   "backward", &grid);
+    int counted = 0;
     if (grid.x > 0) {
       allow_smem(backward_kernel<T, kHeadDim>, B::kSmemBytes, "Hopper backward", kHeadDim);
       const int64_t batch = a.cu_seqlens_q ? 1 : a.batch;  // a packed batch is one sequence of the maps
@@ -214,8 +217,10 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
       }
       backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
       RINGFLASH_CUDA_CHECK(cudaGetLastError());
+      if (!B::kWide && p.dq_done) counted = static_cast<int>(2 * tiles * (a.cu_seqlens_q ? a.batch : 1));
     }
     if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
+    return counted;
   };
   backward_passes<T, kHeadDim>(p, total_rows, stream, main, B::kWide);
 }

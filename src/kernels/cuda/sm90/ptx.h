@@ -239,6 +239,24 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // Waits until the committed bulk groups are complete.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// Waits until every committed bulk group but the last is complete.
+__device__ __forceinline__ void bulk_wait_all_but_last() { asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory"); }
+
+// Adds n to the counter at `count` once this thread's completed bulk writes (the copy engine's,
+// by bulk_wait) and its own are visible on the GPU: a reader that sees the sum by
+// ld.acquire.gpu sees them too.
+__device__ __forceinline__ void count_done(int* count, int n) {
+  asm volatile(
+      "fence.proxy.async.global;\n"
+      "red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(count),
+      "r"(n)
+      : "memory");
+}
+
+// Lets the kernel launched after this one with programmatic stream serialization start once every
+// block of this one has started (or ended), rather than once all have ended.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 // Stores x, y at shared-memory address `smem` (8-byte aligned).
 __device__ __forceinline__ void st_shared_v2(uint32_t smem, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem), "f"(x), "f"(y) : "memory");
