@@ -190,6 +190,18 @@ struct Backward {
     return p.dq_done + (p.a.cu_seqlens_q ? 0 : b) * p.a.heads_kv + hk;
   }
 
+  // By the thread that issued a consumer's reduce-adds, at its end: they have read their source
+  // before the block's shared memory goes, and, with p.dq_done, are complete before the consumer
+  // counts itself.
+  static __device__ __forceinline__ void finish_dq(const Params& p, int64_t b, int hk) {
+    if (!p.dq_done) {
+      bulk_wait_read();
+      return;
+    }
+    bulk_wait();
+    count_done(dq_done(p, b, hk), 1);
+  }
+
   struct Items {
     int head0, m_begin, tiles, count;
     // Where item i is (its q head and query tile), walked one item after another.
@@ -417,7 +429,9 @@ struct Backward {
       stage_rows<T, kDT>(smem_u32(sdv), kDvBlock * 2, warp * 16, dv, dv_scale, lane);
       fence_proxy_async();
       named_barrier_sync(kOutStaged + consumer, 128);
-      if (elected) {
+      // Another thread than the reduce-adds' issues the stores, so that the count (below) waits
+      // for none of them.
+      if (threadIdx.x % 128 == 32) {
         const int row = static_cast<int>(seq.row_k + n0 + consumer * 64), tb = packed ? 0 : static_cast<int>(b);
 #pragma unroll
         for (int c = 0; c < kHeadDim / 64; ++c) {
@@ -425,18 +439,12 @@ struct Backward {
           tma_store_4d(&maps.dv, sdv + c * kDvBlock, c * 64, hk, row, tb);
         }
         bulk_commit();
-        if (p.dq_done) {
-          bulk_wait_all_but_last();  // the reduce-adds, not these stores
-          count_done(dq_done(p, b, hk), 1);
-        }
-        bulk_wait_read();  // the block's shared memory outlives the reads of these copies and the reduce-adds
+        bulk_wait_read();  // the block's shared memory outlives the reads of these copies
       }
+      if (elected) finish_dq(p, b, hk);
       return;
     }
-    if (elected) {
-      bulk_wait();  // the reduce-adds are done before the block's shared memory goes
-      if (p.dq_done) count_done(dq_done(p, b, hk), 1);
-    }
+    if (elected) finish_dq(p, b, hk);
     write_dkdv<kDT>(p, b, hk, seq.row_k + n0, valid_n, key0, 0, dk, dv, lane);
   }
 

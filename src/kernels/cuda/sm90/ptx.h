@@ -239,9 +239,6 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // Waits until the committed bulk groups are complete.
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Waits until every committed bulk group but the last is complete.
-__device__ __forceinline__ void bulk_wait_all_but_last() { asm volatile("cp.async.bulk.wait_group 1;\n" ::: "memory"); }
-
 // Adds n to the counter at `count` once this thread's completed bulk writes (the copy engine's,
 // by bulk_wait) and its own are visible on the GPU: a reader that sees the sum by
 // ld.acquire.gpu sees them too.
