@@ -67,8 +67,9 @@ struct Backward {
   // Stages of Q, dO and their statistics: three at head dim 128 (on an H100 the backward ran
   // 0.5-0.8 % faster than with two, bench/NOTES.md h50); the other head dims' tiles leave room for two.
   static constexpr int kStages = kHeadDim == 128 ? 3 : 2;
-  static constexpr int kThreads = 384;
-  static constexpr int kConsumerWarps = 8;
+  static constexpr int kConsumers = 2;  // warpgroups; each counts itself in p.dq_done (finish_dq)
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kConsumerWarps = 4 * kConsumers;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(fits_block_registers(kThreads, kProducerRegs, kConsumerRegs), "within the block's registers");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2, kKBytes = kBlockN * kHeadDim * 2;
@@ -130,7 +131,7 @@ struct Backward {
     // Rank 0 is the first key tile: under a causal mask every query sees it.
     const int64_t n0 = static_cast<int64_t>(rank) * kBlockN;
     if (n0 >= seq.len_k) {
-      if (threadIdx.x == 0 && p.dq_done) count_done(dq_done(p, b, hk), 2);  // for both consumers
+      if (threadIdx.x == 0 && p.dq_done) count_done(dq_done(p, b, hk), kConsumers);
       return;
     }
     const int valid_n = tile_rows(seq.len_k, n0, kBlockN);

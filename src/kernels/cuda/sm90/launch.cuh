@@ -182,7 +182,8 @@ void launch_backward_dq(const Params& p, cudaStream_t stream) {
 
 // At head dim 256 (kWide) the backward kernel computes dK and dV, and the dQ kernel writes dQ.
 // Below it, with an accumulator from the workspace, each consumer of a block counts itself in
-// p.dq_done once its part of dQ is in: two per block, `tiles` blocks per sequence and k/v head.
+// p.dq_done once its part of dQ is in: kConsumers per block, `tiles` blocks per sequence and k/v
+// head.
 template <typename T, int kHeadDim>
 void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
   using B = Backward<T, kHeadDim>;
@@ -217,7 +218,7 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
       }
       backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
       RINGFLASH_CUDA_CHECK(cudaGetLastError());
-      if (!B::kWide && p.dq_done) counted = static_cast<int>(2 * tiles * (a.cu_seqlens_q ? a.batch : 1));
+      if (!B::kWide && p.dq_done) counted = static_cast<int>(B::kConsumers * tiles * (a.cu_seqlens_q ? a.batch : 1));
     }
     if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
     return counted;
