@@ -58,57 +58,86 @@ __device__ __forceinline__ void with_tile_kind(bool masked, bool plain, Body&& b
   }
 }
 
-// Eight consecutive elements at src (16-byte aligned), as floats.
+// Eight consecutive elements of T as loaded (16-byte aligned), read as floats only once used, so
+// that a thread's loads are all in flight before it waits for the first.
 template <typename T>
-__device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
-  if constexpr (std::is_same_v<T, float>) {
-    const float4 lo = reinterpret_cast<const float4*>(src)[0], hi = reinterpret_cast<const float4*>(src)[1];
-    x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
-  } else {
-    const uint4 v = *reinterpret_cast<const uint4*>(src);
-    const T* e = reinterpret_cast<const T*>(&v);
+struct Chunk8 {
+  uint4 raw[sizeof(T) / 2];
+  __device__ __forceinline__ void load(const T* src) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = static_cast<float>(e[i]);
+    for (int i = 0; i < sizeof(T) / 2; ++i) raw[i] = reinterpret_cast<const uint4*>(src)[i];
   }
-}
+  __device__ __forceinline__ float operator[](int i) const {
+    return static_cast<float>(reinterpret_cast<const T*>(raw)[i]);
+  }
+};
 
-// dsum and lse2 of one query row and head per group of kDotLanes threads, each of which reads
-// eight columns in 16-byte loads (one thread per row read its row alone and ran at a fifth of the
-// memory bandwidth). Group i of the grid: head i / rows, query row i % rows of the tensor (over
-// every sequence of a padded batch), so that neighbouring groups read and write neighbouring
-// entries of lse and of the statistics (with the heads innermost, each group's words fell in
-// 32-byte sectors of their own).
+// dsum and lse2 of kDotRows consecutive query rows of one head per group of kDotLanes threads,
+// each of which reads eight columns of each row in 16-byte loads, every load of the group's rows
+// issued before the first sum. The grid is (rows / kDotRowsPerBlock, heads, sequences; a packed
+// batch is one sequence of rows_q rows), so that no thread divides, neighbouring groups read and
+// write neighbouring entries of lse and of the statistics, and a warp writes 32 bytes of each.
+// (With one row per group, two loads per thread and the row and head from 64-bit divisions of the
+// thread's index, the pass took 51 us where this one takes 42 on an H200: bench/NOTES.md h59.) Its
+// blocks let the Hopper backward kernel, launched after it with programmatic stream serialization,
+// start on the SMs that its last blocks leave idle.
 template <int kHeadDim>
 constexpr int kDotLanes = kHeadDim / 8 < 16 ? kHeadDim / 8 : 16;
+template <int kHeadDim>
+constexpr int kDotRows = 4 * kDotLanes<kHeadDim> * 8 / kHeadDim;
+constexpr int kDotThreads = 256;
+template <int kHeadDim>
+constexpr int kDotRowsPerBlock = kDotThreads / kDotLanes<kHeadDim> * kDotRows<kHeadDim>;
 
 template <typename T, typename TOut, int kHeadDim>
-__global__ void dot_do_o_kernel(const Params p, int64_t total_rows) {
-  constexpr int kLanes = kDotLanes<kHeadDim>;
+__global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+  constexpr int kLanes = kDotLanes<kHeadDim>, kRows = kDotRows<kHeadDim>, kSteps = kHeadDim / (kLanes * 8);
   static_assert(32 % kLanes == 0, "a group of lanes stays inside a warp");
+  static_assert(kRows <= kLanes, "a lane writes each row");
   const core::AttentionArgs& a = p.a;
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
-  const bool valid = i < total_rows * a.heads_q;  // every lane goes on to the shuffles
-  const int64_t h = i / total_rows, r = i % total_rows;
-  const int64_t b = r / a.rows_q, row = r % a.rows_q;
-  float sum = 0.0f;
-  if (valid) {
-    const T* dout = row_ptr<const T>(a.dout, b, row, h);
-    const TOut* out = row_ptr<const TOut>(a.out, b, row, h);
-    for (int d = lane * 8; d < a.head_dim; d += kLanes * 8) {
-      float x[8], y[8];
-      load8(dout + d, x);
-      load8(out + d, y);
+  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * (kDotThreads / kLanes) + threadIdx.x / kLanes) * kRows;
+  // Rows past the sequence read its row 0 and write nothing; columns past the head dim read
+  // column 0 and add nothing.
+  Chunk8<T> x[kRows][kSteps];
+  Chunk8<TOut> y[kRows][kSteps];
+  const T* dout = row_ptr<const T>(a.dout, b, 0, h);
+  const TOut* out = row_ptr<const TOut>(a.out, b, 0, h);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sum = fmaf(x[j], y[j], sum);
+  for (int j = 0; j < kRows; ++j) {
+    const int64_t row = row0 + j < a.rows_q ? row0 + j : 0;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int d = (s * kLanes + lane) * 8 < a.head_dim ? (s * kLanes + lane) * 8 : 0;
+      x[j][s].load(dout + row * a.dout.row_stride + d);
+      y[j][s].load(out + row * a.out.row_stride + d);
     }
   }
+  float sum[kRows];
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (valid && lane == 0) {
-    p.dsum[p.stat_index(b, h, row)] = sum;
-    p.lse2[p.stat_index(b, h, row)] = lse_log2(a.lse[p.lse_index(b, h, row)]);
+  for (int j = 0; j < kRows; ++j) {
+    sum[j] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      float part = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) part = fmaf(x[j][s][e], y[j][s][e], part);
+      // A select, not a branch: under a branch the compiler sinks the loads to their use.
+      sum[j] += (s * kLanes + lane) * 8 < a.head_dim ? part : 0.0f;
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], offset);
   }
+#pragma unroll
+  for (int j = 0; j < kRows; ++j)
+    if (lane == j && row0 + j < a.rows_q) {
+      p.dsum[p.stat_index(b, h, row0 + j)] = sum[j];
+      p.lse2[p.stat_index(b, h, row0 + j)] = lse_log2(a.lse[p.lse_index(b, h, row0 + j)]);
+    }
 }
 
 // Rows of dq's fp32 accumulator per block of the conversion pass.

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "backward.cuh"
 #include "check.h"
 #include "forward.cuh"
@@ -22,6 +24,28 @@ inline int sm_count() {
   RINGFLASH_CUDA_CHECK(cudaGetDevice(&device));
   RINGFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(args...), with `overlap` under programmatic
+// stream serialization: its blocks may then start once every block of the kernel before it on the
+// stream has run griddepcontrol.launch_dependents (or ended), and it must run griddepcontrol.wait
+// before it reads what that kernel writes, and before it ends.
+template <typename... Expected, typename... Actual>
+void launch_overlapped(bool overlap, void (*kernel)(Expected...), dim3 grid, dim3 block, size_t smem,
+                       cudaStream_t stream, Actual&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (overlap) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  RINGFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Actual>(args)...));
 }
 
 // Raises a kernel's dynamic shared-memory limit; cheap, and allowed during graph capture. A device
@@ -89,19 +113,9 @@ void launch_convert_dq(const Params& p, int expected, cudaStream_t stream) {
   const int64_t blocks = blocks_for(a.rows_q, kConvertRows) * a.heads_q * (a.cu_seqlens_q ? 1 : a.batch);
   RINGFLASH_CHECK(blocks <= INT32_MAX, NotSupported, "[cuda] dQ's conversion takes at most ", INT32_MAX,
                   " blocks of ", kConvertRows, " rows per head; got ", blocks);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(256);
-  config.stream = stream;
-  cudaLaunchAttribute overlap{};
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  if (expected > 0) {
-    config.attrs = &overlap;
-    config.numAttrs = 1;
-  }
   const int* done = expected > 0 ? p.dq_done : nullptr;
-  RINGFLASH_CUDA_CHECK(cudaLaunchKernelEx(&config, convert_dq_kernel<T, kHeadDim>, p, done, expected));
+  launch_overlapped(expected > 0, convert_dq_kernel<T, kHeadDim>, dim3(static_cast<unsigned>(blocks)), dim3(256), 0,
+                    stream, p, done, expected);
 }
 
 // The passes around a backward kernel: dsum and lse2 first, then main() (the kernel that computes
@@ -112,12 +126,14 @@ template <typename T, int kHeadDim, typename Main>
 void backward_passes(const Params& p, int64_t total_rows, cudaStream_t stream, Main&& main,
                      bool main_writes_dq = false) {
   using D = DqPass<T, kHeadDim>;
-  constexpr int kThreads = 256;
   const core::AttentionArgs& a = p.a;
   const int64_t row_heads = total_rows * a.heads_q;  // 0 when there are no queries: dK = dV = 0
   if (row_heads > 0) {
     const auto dot = a.out_dtype == DType::kFloat32 ? dot_do_o_kernel<T, float, kHeadDim> : dot_do_o_kernel<T, T, kHeadDim>;
-    dot<<<blocks_for(row_heads * kDotLanes<kHeadDim>, kThreads), kThreads, 0, stream>>>(p, total_rows);
+    // is_supported holds heads and sequences to grid.y's and grid.z's limit.
+    const dim3 grid(blocks_for(a.rows_q, kDotRowsPerBlock<kHeadDim>), static_cast<unsigned>(a.heads_q),
+                    static_cast<unsigned>(total_rows / a.rows_q));
+    dot<<<grid, kDotThreads, 0, stream>>>(p);
     RINGFLASH_CUDA_CHECK(cudaGetLastError());
   }
 

@@ -131,7 +131,10 @@ struct Backward {
     // Rank 0 is the first key tile: under a causal mask every query sees it.
     const int64_t n0 = static_cast<int64_t>(rank) * kBlockN;
     if (n0 >= seq.len_k) {
-      if (threadIdx.x == 0 && p.dq_done) count_done(dq_done(p, b, hk), kConsumers);
+      if (threadIdx.x == 0) {
+        wait_prerequisites();  // so that the kernel ends after the dsum pass in any case
+        if (p.dq_done) count_done(dq_done(p, b, hk), kConsumers);
+      }
       return;
     }
     const int valid_n = tile_rows(seq.len_k, n0, kBlockN);
@@ -154,11 +157,16 @@ struct Backward {
 
     if (group == 0) {
       setmaxnreg_dec<kProducerRegs>();
-      if (tid == 0 && items.count > 0) {
+      if (tid == 0) {
         const int64_t tb = a.cu_seqlens_q ? 0 : b;  // the maps' batch coordinate
-        mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
-        load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
-        load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
+        if (items.count > 0) {
+          mbarrier_arrive_expect(&kv_full, 2 * kKBytes);
+          load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
+          load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
+        }
+        // The dsum pass before this kernel (launch_overlapped) writes the statistics loaded below;
+        // every block waits for it, so that the kernel ends after it.
+        wait_prerequisites();
         for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
           const int stage = i % kStages;
           if (i >= kStages) mbarrier_wait(&empty[stage], static_cast<uint32_t>(i / kStages - 1) & 1u);

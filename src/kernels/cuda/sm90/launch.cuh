@@ -216,8 +216,10 @@ void run_backward(const Params& p, int64_t total_rows, cudaStream_t stream) {
         maps.dk = operand_map<T>(a.dk, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
         maps.dv = operand_map<T>(a.dv, a.head_dim, a.heads_kv, a.rows_k, batch, 64);
       }
-      backward_kernel<T, kHeadDim><<<grid, B::kThreads, B::kSmemBytes, stream>>>(p, maps, order);
-      RINGFLASH_CUDA_CHECK(cudaGetLastError());
+      // Its blocks start under the last ones of the dsum pass (backward_passes runs it when there
+      // are queries), and wait for it before they load the statistics.
+      launch_overlapped(total_rows > 0, backward_kernel<T, kHeadDim>, grid, dim3(B::kThreads), B::kSmemBytes, stream,
+                        p, maps, order);
       if (!B::kWide && p.dq_done) counted = static_cast<int>(B::kConsumers * tiles * (a.cu_seqlens_q ? a.batch : 1));
     }
     if constexpr (B::kWide) launch_backward_dq<T, kHeadDim>(p, stream);
