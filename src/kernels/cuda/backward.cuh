@@ -91,9 +91,7 @@ constexpr int kDotRowsPerBlock = kDotThreads / kDotLanes<kHeadDim> * kDotRows<kH
 
 template <typename T, typename TOut, int kHeadDim>
 __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
+  launch_dependents();
   constexpr int kLanes = kDotLanes<kHeadDim>, kRows = kDotRows<kHeadDim>, kSteps = kHeadDim / (kLanes * 8);
   static_assert(32 % kLanes == 0, "a group of lanes stays inside a warp");
   static_assert(kRows <= kLanes, "a lane writes each row");
@@ -178,9 +176,7 @@ __global__ void convert_dq_kernel(const Params p, const int* done, int expected)
     packed.w = Mma<T>::pack(hi.z, hi.w);
     *reinterpret_cast<uint4*>(row_ptr<T>(a.dq, s, row, h) + d) = packed;
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (done && block == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  if (done && block == 0) wait_prerequisites();
 }
 
 // Rows of a packed tensor outside [cu_seqlens[0], cu_seqlens[B]) belong to no sequence and no

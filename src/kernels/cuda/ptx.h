@@ -108,4 +108,20 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Programmatic dependent launch (sm_90 on; no-ops before). launch_dependents lets the kernel
+// launched after this one with programmatic stream serialization start once every block of this
+// one has run it (or ended), rather than once all have ended; wait_prerequisites waits until the
+// kernel this one was launched after so has ended and its writes are visible (at once when this
+// one was launched without it).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace ringflash::cuda

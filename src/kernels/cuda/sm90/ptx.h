@@ -250,14 +250,6 @@ __device__ __forceinline__ void count_done(int* count, int n) {
       : "memory");
 }
 
-// Lets the kernel launched after this one with programmatic stream serialization start once every
-// block of this one has started (or ended), rather than once all have ended.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
-// Waits until the kernels this one was launched after with programmatic stream serialization
-// have ended and their writes are visible (at once when it was launched without it).
-__device__ __forceinline__ void wait_prerequisites() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
 // Stores x, y at shared-memory address `smem` (8-byte aligned).
 __device__ __forceinline__ void st_shared_v2(uint32_t smem, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(smem), "f"(x), "f"(y) : "memory");
