@@ -1,6 +1,7 @@
 // The backward kernels.
 //
-//   dot_do_o   dsum = rowsum(dout * out) and the lse in log2 units, once per query row.
+//   dot_do_o   dsum = rowsum(dout * out) and the lse in log2 units, once per query row; zeros in
+//              the workspace's dq accumulator.
 //   Backward   one thread block per (key tile, k/v head, sequence): K and V stay in shared memory,
 //              and the block walks every query tile that sees its keys, for every q head of its
 //              group, so dK and dV are summed in registers and written once (GQA needs no
@@ -115,6 +116,28 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
       y[j][s].load(out + row * a.out.row_stride + d);
     }
   }
+  // Lane j writes row j's statistics; its lse is loaded with the rows.
+  const int64_t own_row = row0 + lane;
+  const bool writes = lane < kRows && own_row < a.rows_q;
+  const float lse = a.lse[p.lse_index(b, h, writes ? own_row : 0)];
+  // The workspace's dq accumulator (p.dq_done set): zeros in this group's rows, the columns each
+  // lane reads, while its loads are in flight; blocks (0, h < heads_kv, b) zero the counts.
+  if (p.dq_done) {
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      if (row0 + j >= a.rows_q) continue;
+      float* acc = p.dq_accum + b * p.dq_accum_batch_stride + (row0 + j) * p.dq_accum_row_stride +
+                   h * p.dq_accum_head_stride;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const int d = (s * kLanes + lane) * 8;
+        if (d >= a.head_dim) continue;
+        reinterpret_cast<float4*>(acc + d)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        reinterpret_cast<float4*>(acc + d)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0 && h < a.heads_kv) p.dq_done[b * a.heads_kv + h] = 0;
+  }
   float sum[kRows];
 #pragma unroll
   for (int j = 0; j < kRows; ++j) {
@@ -130,12 +153,13 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], offset);
   }
+  float own_sum = sum[0];
 #pragma unroll
-  for (int j = 0; j < kRows; ++j)
-    if (lane == j && row0 + j < a.rows_q) {
-      p.dsum[p.stat_index(b, h, row0 + j)] = sum[j];
-      p.lse2[p.stat_index(b, h, row0 + j)] = lse_log2(a.lse[p.lse_index(b, h, row0 + j)]);
-    }
+  for (int j = 1; j < kRows; ++j) own_sum = lane == j ? sum[j] : own_sum;
+  if (writes) {
+    p.dsum[p.stat_index(b, h, own_row)] = own_sum;
+    p.lse2[p.stat_index(b, h, own_row)] = lse_log2(lse);
+  }
 }
 
 // Rows of dq's fp32 accumulator per block of the conversion pass.

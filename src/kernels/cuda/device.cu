@@ -278,7 +278,7 @@ void attention_backward(const AttentionArgs& args) {
       ((packed ? 1 : args.batch) * args.heads_q * stat_rows + kAlignFloats - 1) / kAlignFloats * kAlignFloats;
   const bool dq_buffer = !args.accumulate && !args.deterministic && !k.backward_writes_dq;
   const int64_t dq_elements = dq_buffer ? stat_elements * args.head_dim : 0;
-  // dq_done's counters after the accumulator (both zeroed by one memset).
+  // dq_done's counters after the accumulator.
   const int64_t done_counts = dq_buffer ? (packed ? 1 : args.batch) * args.heads_kv : 0;
   const size_t workspace_bytes = (2 * stat_elements + dq_elements) * sizeof(float) + done_counts * sizeof(int);
   const Scratch workspace(device, workspace_bytes, args.stream);
@@ -298,11 +298,7 @@ void attention_backward(const AttentionArgs& args) {
     p.dq_accum_row_stride = args.dq.row_stride;
     p.dq_accum_head_stride = args.dq.head_stride;
   }
-  if (dq_buffer) {
-    RINGFLASH_CUDA_CHECK(
-        cudaMemsetAsync(p.dq_accum, 0, dq_elements * sizeof(float) + done_counts * sizeof(int), stream));
-  }
-  k.backward(p, total_rows, stream);
+  k.backward(p, total_rows, stream);  // its dsum pass zeroes the accumulator's rows and the counts
 }
 
 }  // namespace ringflash::cuda

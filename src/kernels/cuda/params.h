@@ -115,9 +115,9 @@ struct Params {
   // dsum = rowsum(dout * out) and lse2, the lse in log2 units (+inf where it is -inf, so that P is 0).
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_stride = 0, dq_accum_row_stride = 0, dq_accum_head_stride = 0;
-  // With dq_accum from the workspace: per (sequence, k/v head), zeroed with it (a packed batch is
-  // one sequence). The Hopper backward adds each block's count there once its part of dQ is in
-  // dq_accum, so that the conversion pass can start on a head before the kernel has ended.
+  // With dq_accum from the workspace: per (sequence, k/v head), zeroed with it by the dsum pass (a
+  // packed batch is one sequence). The Hopper backward adds each block's count there once its part
+  // of dQ is in dq_accum, so that the conversion pass can start on a head before the kernel has ended.
   int* dq_done = nullptr;
   float* dsum = nullptr;
   float* lse2 = nullptr;

@@ -164,8 +164,9 @@ struct Backward {
           load_tile<kBlockN, kHeadDim>(sk, &maps.k, &kv_full, seq.row_k + n0, hk, tb);
           load_tile<kBlockN, kHeadDim>(sv, &maps.v, &kv_full, seq.row_k + n0, hk, tb);
         }
-        // The dsum pass before this kernel (launch_overlapped) writes the statistics loaded below;
-        // every block waits for it, so that the kernel ends after it.
+        // The dsum pass before this kernel (launch_overlapped) writes the statistics loaded below
+        // and zeroes the dq accumulator that the consumers add into once they have them; every
+        // block waits for it, so that the kernel ends after it.
         wait_prerequisites();
         for (auto [i, at] = std::pair{0, items.first()}; i < items.count; ++i, items.next(at)) {
           const int stage = i % kStages;
@@ -201,13 +202,15 @@ struct Backward {
 
   // By the thread that issued a consumer's reduce-adds, at its end: they have read their source
   // before the block's shared memory goes, and, with p.dq_done, are complete before the consumer
-  // counts itself.
+  // counts itself, after the dsum pass has zeroed the count (a consumer with no items has not
+  // waited for the pass before).
   static __device__ __forceinline__ void finish_dq(const Params& p, int64_t b, int hk) {
     if (!p.dq_done) {
       bulk_wait_read();
       return;
     }
     bulk_wait();
+    wait_prerequisites();
     count_done(dq_done(p, b, hk), 1);
   }
 
