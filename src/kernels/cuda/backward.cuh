@@ -100,8 +100,16 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
   const int lane = threadIdx.x % kLanes;
   const int64_t h = blockIdx.y, b = blockIdx.z;
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * (kDotThreads / kLanes) + threadIdx.x / kLanes) * kRows;
-  // Rows past the sequence read its row 0 and write nothing; columns past the head dim read
-  // column 0 and add nothing.
+  // The first of the eight columns that this lane reads in step s, and whether it is inside the
+  // head dim. Rows past the sequence read its row 0 and write nothing; columns past the head dim
+  // read column 0 and add nothing.
+  int col[kSteps];
+  bool inside[kSteps];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    col[s] = (s * kLanes + lane) * 8;
+    inside[s] = col[s] < a.head_dim;
+  }
   Chunk8<T> x[kRows][kSteps];
   Chunk8<TOut> y[kRows][kSteps];
   const T* dout = row_ptr<const T>(a.dout, b, 0, h);
@@ -111,7 +119,7 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
     const int64_t row = row0 + j < a.rows_q ? row0 + j : 0;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      const int d = (s * kLanes + lane) * 8 < a.head_dim ? (s * kLanes + lane) * 8 : 0;
+      const int d = inside[s] ? col[s] : 0;
       x[j][s].load(dout + row * a.dout.row_stride + d);
       y[j][s].load(out + row * a.out.row_stride + d);
     }
@@ -130,10 +138,9 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
                    h * p.dq_accum_head_stride;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const int d = (s * kLanes + lane) * 8;
-        if (d >= a.head_dim) continue;
-        reinterpret_cast<float4*>(acc + d)[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        reinterpret_cast<float4*>(acc + d)[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (!inside[s]) continue;
+        reinterpret_cast<float4*>(acc + col[s])[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        reinterpret_cast<float4*>(acc + col[s])[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
     if (blockIdx.x == 0 && threadIdx.x == 0 && h < a.heads_kv) p.dq_done[b * a.heads_kv + h] = 0;
@@ -148,7 +155,7 @@ __global__ void __launch_bounds__(kDotThreads) dot_do_o_kernel(const Params p) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) part = fmaf(x[j][s][e], y[j][s][e], part);
       // A select, not a branch: under a branch the compiler sinks the loads to their use.
-      sum[j] += (s * kLanes + lane) * 8 < a.head_dim ? part : 0.0f;
+      sum[j] += inside[s] ? part : 0.0f;
     }
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) sum[j] += __shfl_xor_sync(0xffffffffu, sum[j], offset);
